@@ -1,0 +1,122 @@
+"""The plugin's settings: the only place that reads env vars and additional_config.
+
+Precedence: ``--additional-config '{"k3_accel": {...}}'`` wins over the
+environment, which wins over the defaults below.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from k3_accel.comm.threshold import DmaThreshold, parse_dma_min_bytes
+
+
+class ConfigError(ValueError):
+    """A setting has a bad value; the message names the key and what is allowed."""
+
+
+def _positive_int(key: str, allow_zero: bool = False) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        try:
+            number = int(str(value).strip())
+        except ValueError:
+            number = None
+        if number is None or number < 0 or (number == 0 and not allow_zero):
+            allowed = "an integer >= 0" if allow_zero else "an integer > 0"
+            raise ConfigError(f"{key}={value!r}: expected {allowed}")
+        return number
+    return parse
+
+
+def _optional_str(key: str) -> Callable[[Any], str | None]:
+    def parse(value: Any) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r}: expected a string")
+        return value.strip() or None
+    return parse
+
+
+def _address(key: str) -> Callable[[Any], str | None]:
+    def parse(value: Any) -> str | None:
+        text = _optional_str(key)(value)
+        if text is not None and not text.startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"{key}={value!r}: expected tcp://HOST:PORT or ipc://PATH")
+        return text
+    return parse
+
+
+def _dma(key: str) -> Callable[[Any], DmaThreshold]:
+    def parse(value: Any) -> DmaThreshold:
+        try:
+            return parse_dma_min_bytes(None if value is None else str(value))
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from exc
+    return parse
+
+
+@dataclass(frozen=True)
+class K3Config:
+    """Typed plugin settings (see README "Configuration")."""
+
+    draft_address: str | None = None          # no address: vLLM behaves as stock
+    draft_timeout_ms: int = 30000
+    async_prefill_ingest: int = 2             # pinned ring depth; 0 = synchronous ingest
+    capture_dir: str | None = None
+    timing_log_interval: int = 0              # 0 = no periodic timing log
+    dma_min_bytes: DmaThreshold = dataclasses.field(default_factory=lambda: parse_dma_min_bytes(None))
+    curve_server_key: str | None = None       # server public key file (client side)
+    curve_client_key: str | None = None       # client certificate (secret) file
+
+
+@dataclass(frozen=True)
+class _Setting:
+    field: str
+    env: str | None
+    parse: Callable[[str], Callable[[Any], Any]]
+
+
+_SETTINGS = (
+    _Setting("draft_address", "VLLM_K3_DRAFT_REMOTE_ADDRESS", _address),
+    _Setting("draft_timeout_ms", "VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS", _positive_int),
+    _Setting("async_prefill_ingest", "VLLM_K3_DRAFT_ASYNC_PREFILL_INGEST",
+             lambda key: _positive_int(key, allow_zero=True)),
+    _Setting("capture_dir", "VLLM_K3_DRAFT_CAPTURE_DIR", _optional_str),
+    _Setting("timing_log_interval", "VLLM_K3_DRAFT_TIMING_LOG_INTERVAL",
+             lambda key: _positive_int(key, allow_zero=True)),
+    _Setting("dma_min_bytes", "VLLM_PCIE_DMA_MIN_BYTES", _dma),
+    _Setting("curve_server_key", "VLLM_K3_DRAFT_CURVE_SERVER_KEY", _optional_str),
+    _Setting("curve_client_key", "VLLM_K3_DRAFT_CURVE_CLIENT_KEY", _optional_str),
+)
+ALLOWED_KEYS = tuple(s.field for s in _SETTINGS)
+
+
+def _plugin_section(additional_config: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    section = (additional_config or {}).get("k3_accel", {})
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"additional_config.k3_accel: expected an object, got {type(section).__name__}")
+    unknown = sorted(set(section) - set(ALLOWED_KEYS))
+    if unknown:
+        raise ConfigError(f"additional_config.k3_accel: unknown key(s) {unknown}; "
+                          f"allowed: {list(ALLOWED_KEYS)}")
+    return section
+
+
+def load_config(additional_config: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> K3Config:
+    """Build the validated config; raises :class:`ConfigError` on a bad value."""
+    env = os.environ if environ is None else environ
+    section = _plugin_section(additional_config)
+    values: dict[str, Any] = {}
+    for setting in _SETTINGS:
+        if setting.field in section:
+            key, raw = f"additional_config.k3_accel.{setting.field}", section[setting.field]
+        elif setting.env and setting.env in env:
+            key, raw = setting.env, env[setting.env]
+        else:
+            continue
+        values[setting.field] = setting.parse(key)(raw)
+    return K3Config(**values)

@@ -1,0 +1,180 @@
+"""``k3-draft-server``: serve draft tokens to a vLLM target over ZMQ."""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import zmq
+
+from k3_accel.protocol import DEFAULT_MAX_MESSAGE_BYTES
+from k3_accel.server.engines.base import DraftEngine
+from k3_accel.server.http import HealthServer
+from k3_accel.server.loop import ServerLoop
+from k3_accel.server.metrics import ServerMetrics
+from k3_accel.server.security import CurveGuard, SecurityError, check_bind
+from k3_accel.server.service import DraftService
+from k3_accel.server.state import RequestTable
+
+log = logging.getLogger("k3_accel.server")
+MIB = 1 << 20
+
+
+def _device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected cpu, cuda or cuda:N")
+    return text
+
+
+def _port(text: str) -> int:
+    value = _int_in(0, 65535)(text)
+    return value
+
+
+def _int_in(low: int, high: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            span = f"{low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{value} is outside {span}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="k3-draft-server", description=__doc__,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--engine", choices=["ngram", "dflash"], default="ngram",
+                    help="drafting engine: ngram (prompt lookup, no weights) or dflash (block drafting)")
+    ap.add_argument("--draft-model", metavar="DIR", help="DFlash draft checkpoint (config.json + safetensors)")
+    ap.add_argument("--target-model", metavar="DIR",
+                    help="target checkpoint; only embed_tokens and lm_head are read (dflash)")
+    ap.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="draft compute dtype")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind; non-loopback needs CURVE keys")
+    ap.add_argument("--port", type=_port, default=5557, help="ZMQ port (0 = any free port)")
+    ap.add_argument("--http-port", type=_port, default=8095,
+                    help="port of /healthz, /readyz and /metrics (0 = any free port)")
+    ap.add_argument("--max-requests", type=_int_in(1), default=256, help="active requests at once")
+    ap.add_argument("--max-retained-requests", type=_int_in(0), default=64,
+                    help="freed requests kept for reconnect (LRU)")
+    ap.add_argument("--num-speculative-tokens", type=_int_in(1, 64), default=16,
+                    help="largest K a client may ask for")
+    ap.add_argument("--block-size", type=_int_in(1), default=16, help="reconnect granularity in tokens")
+    ap.add_argument("--memory-budget-mb", type=_int_in(1), default=4096,
+                    help="budget for per-request draft state (K/V, tokens)")
+    ap.add_argument("--max-message-mb", type=_int_in(1), default=DEFAULT_MAX_MESSAGE_BYTES // MIB,
+                    help="largest message accepted (also ZMQ MAXMSGSIZE)")
+    ap.add_argument("--ngram-min", type=_int_in(1), default=1, help="shortest n-gram to match (ngram)")
+    ap.add_argument("--ngram-max", type=_int_in(1), default=3, help="longest n-gram to match (ngram)")
+    ap.add_argument("--curve-secret-key", metavar="FILE", help="server certificate with its secret key (zmq.auth format)")
+    ap.add_argument("--curve-authorized-keys", metavar="DIR", help="directory of authorized client public keys")
+    ap.add_argument("--allow-insecure-remote", action="store_true",
+                    help="allow a non-loopback bind without CURVE (anyone who reaches the port can use it)")
+    ap.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO")
+    return ap
+
+
+def validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """Cross-flag checks; each failure exits 2 with a message naming the flag."""
+    if args.engine == "dflash":
+        for flag in ("draft_model", "target_model"):
+            value = getattr(args, flag)
+            if not value or not Path(value).is_dir():
+                ap.error(f"--engine dflash needs --{flag.replace('_', '-')} DIR (got {value!r})")
+    if bool(args.curve_secret_key) != bool(args.curve_authorized_keys):
+        ap.error("--curve-secret-key and --curve-authorized-keys go together")
+    if args.ngram_min > args.ngram_max:
+        ap.error("--ngram-min must be <= --ngram-max")
+    if args.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            ap.error(f"--device {args.device}: CUDA is not available on this machine")
+    try:
+        check_bind(args.host, bool(args.curve_secret_key), args.allow_insecure_remote)
+    except SecurityError as exc:
+        ap.error(str(exc))
+
+
+class StartupError(RuntimeError):
+    """The server could not start (engine load, bind); the message says why."""
+
+
+def build_engine(args: argparse.Namespace) -> DraftEngine:
+    try:
+        return _load_engine(args)
+    except Exception as exc:
+        raise StartupError(f"cannot load the {args.engine} engine: {exc}") from exc
+
+
+def _load_engine(args: argparse.Namespace) -> DraftEngine:
+    if args.engine == "ngram":
+        from k3_accel.server.engines.ngram import NgramEngine
+        return NgramEngine(max_spec_tokens=args.num_speculative_tokens, min_n=args.ngram_min,
+                           max_n=args.ngram_max, block_size=args.block_size)
+    from k3_accel.server.engines.dflash import DFlashEngine
+    return DFlashEngine(args.draft_model, args.target_model, device=args.device, dtype=args.dtype,
+                        max_spec_tokens=args.num_speculative_tokens, block_size=args.block_size)
+
+
+def serve(args: argparse.Namespace, stop: threading.Event) -> None:
+    """Load the engine, bind sockets, serve until ``stop`` is set."""
+    ctx = zmq.Context()
+    curve = CurveGuard(ctx, args.curve_secret_key, args.curve_authorized_keys) if args.curve_secret_key else None
+    metrics = ServerMetrics()
+    loop = None
+    http = HealthServer(args.host, args.http_port, metrics.registry,
+                        ready=lambda: loop is not None and loop.ready.is_set()).start()
+    log.info("http on %s:%d (/healthz /readyz /metrics)", args.host, http.port)
+    try:
+        engine = build_engine(args)
+        table = RequestTable(engine, max_requests=args.max_requests, max_retained=args.max_retained_requests,
+                             budget_bytes=args.memory_budget_mb * MIB)
+        service = DraftService(engine, table, metrics, args.max_requests)
+        try:
+            loop = ServerLoop(service, f"tcp://{_bracket(args.host)}:{args.port}", args.max_message_mb * MIB,
+                              ctx=ctx, curve=curve)
+        except zmq.ZMQError as exc:
+            raise StartupError(f"cannot bind {args.host}:{args.port}: {exc}") from None
+        log.info("k3-draft-server ready: engine=%s endpoint=%s server_id=%s", engine.caps.kind,
+                 loop.endpoint, service.server_id)
+        loop.serve(stop)
+    finally:
+        http.close()
+        if curve is not None:
+            curve.close()
+        ctx.term()
+    log.info("k3-draft-server stopped")
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    validate(args, ap)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve(args, stop)
+    except StartupError as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

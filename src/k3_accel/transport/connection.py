@@ -1,0 +1,230 @@
+"""One DEALER socket to the draft server: sequence numbers, pending replies, deadlines.
+
+Single-threaded by design: the step thread sends and reads replies; ZMQ's
+own I/O thread moves the bytes. Messages are never awaited one by one: a
+reply is matched to its :class:`Pending` by ``seq`` whenever replies are
+read, and the pending's callback runs then. The server handles one client's
+messages in arrival order, so waiting for a message also reads (and
+settles) the replies of everything sent before it.
+
+Large tensor frames are sent zero-copy (``copy=False``) with a ZMQ tracker,
+so a staging slot can tell when libzmq has let go of its bytes even after
+the socket was torn down.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import zmq
+import zmq.auth
+
+from k3_accel import protocol as p
+from k3_accel.protocol import ProtocolError, Reply
+from k3_accel.transport.failures import TransportError, TransportTimeout
+
+log = logging.getLogger("k3_accel.transport")
+
+ReplyCallback = Callable[["Pending"], None]
+
+
+@dataclass(eq=False)
+class Pending:
+    """A sent message waiting for its reply."""
+    seq: int
+    op: str
+    sent_at: float
+    deadline: float
+    on_reply: ReplyCallback | None = None
+    on_abandon: Callable[["Pending", Exception], None] | None = None
+    keepalive: Any = None                  # tensors the frames view (copied frames need none)
+    trackers: list[Any] = field(default_factory=list)
+    reply: Reply | None = None
+    received_at: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.reply is not None
+
+    @property
+    def round_trip(self) -> float:
+        return self.received_at - self.sent_at
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE client keys: the server's public key and this client's key pair."""
+    server_public: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def load(cls, server_key_file: str, client_cert_file: str) -> "CurveKeys":
+        server_public, _ = zmq.auth.load_certificate(server_key_file)
+        client_public, client_secret = zmq.auth.load_certificate(client_cert_file)
+        if client_secret is None:
+            raise ValueError(f"{client_cert_file} holds no secret key")
+        return cls(server_public, client_public, client_secret)
+
+
+class Connection:
+    """A DEALER socket plus the table of pending replies by ``seq``."""
+
+    def __init__(self, address: str, timeout_s: float, *, curve: CurveKeys | None = None,
+                 zero_copy_min_bytes: int = 64 * 1024,
+                 max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES,
+                 on_server_id: Callable[[str, str], None] | None = None):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.curve = curve
+        self.zero_copy_min_bytes = zero_copy_min_bytes
+        self.max_message_bytes = max_message_bytes
+        self.on_server_id = on_server_id or (lambda old, new: None)
+        self.server_id: str | None = None
+        self.stray_replies = 0
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._seq = 0
+        self._pending: dict[int, Pending] = {}
+
+    # ------------------------------------------------------------ socket
+    @property
+    def is_open(self) -> bool:
+        return self._sock is not None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def open(self) -> None:
+        """A fresh socket (new identity); ZMQ reconnects TCP by itself with backoff."""
+        if self._sock is not None:
+            raise RuntimeError("connection already open")
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)          # no queueing towards a peer that is not there
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + (1 << 20))
+        if self.curve is not None:
+            sock.curve_serverkey = self.curve.server_public
+            sock.curve_publickey = self.curve.client_public
+            sock.curve_secretkey = self.curve.client_secret
+        sock.connect(self.address)
+        self._sock = sock
+
+    def writable(self, timeout_s: float = 0.0) -> bool:
+        """Whether a message can be queued now (a peer is connected), waiting up to ``timeout_s``."""
+        if self._sock is None:
+            return False
+        return bool(self._sock.poll(int(max(timeout_s, 0) * 1000), zmq.POLLOUT))
+
+    def abandon(self, reason: Exception) -> list[Pending]:
+        """Close the socket (dropping queued frames) and give up every pending reply."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        pending, self._pending = list(self._pending.values()), {}
+        for item in pending:
+            if item.on_abandon is not None:
+                item.on_abandon(item, reason)
+        return pending
+
+    def close(self) -> None:
+        self.abandon(TransportError("connection closed"))
+        self._ctx.term()
+
+    # -------------------------------------------------------------- send
+    def send(self, msg: p.Message, tensors: Mapping[str, torch.Tensor] | None = None, *,
+             on_reply: ReplyCallback | None = None,
+             on_abandon: Callable[[Pending, Exception], None] | None = None,
+             keepalive: Any = None, timeout_s: float | None = None) -> Pending:
+        """Queue one message; large tensor frames go zero-copy and are tracked."""
+        if self._sock is None:
+            raise TransportError("not connected")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not self.writable(timeout_s):
+            raise TransportTimeout(f"draft server at {self.address} not reachable within {timeout_s:.3f}s")
+        self._seq += 1
+        frames = p.encode_request(self._seq, msg, tensors)
+        trackers = self._send_frames(frames)
+        now = time.monotonic()
+        item = Pending(self._seq, p.Request(self._seq, msg).op, now, now + timeout_s, on_reply, on_abandon,
+                       keepalive, trackers)
+        self._pending[item.seq] = item
+        return item
+
+    def _send_frames(self, frames: list) -> list[Any]:
+        trackers, last = [], len(frames) - 1
+        try:
+            for i, frame in enumerate(frames):
+                flags = zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0)
+                big = isinstance(frame, memoryview) and frame.nbytes >= self.zero_copy_min_bytes
+                tracker = self._sock.send(frame, flags, copy=not big, track=big)
+                if big:
+                    trackers.append(tracker)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"send to {self.address} failed: {exc}") from exc
+        return trackers
+
+    # ----------------------------------------------------------- replies
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Read every reply available, waiting up to ``timeout_s`` for the first; returns how many."""
+        if self._sock is None:
+            return 0
+        handled = 0
+        wait_ms = int(max(timeout_s, 0) * 1000)
+        try:
+            while self._sock.poll(wait_ms, zmq.POLLIN):
+                self._dispatch(self._sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                handled += 1
+                wait_ms = 0
+        except zmq.ZMQError as exc:
+            raise TransportError(f"receive from {self.address} failed: {exc}") from exc
+        return handled
+
+    def wait(self, item: Pending) -> Reply:
+        """Read replies until ``item``'s arrives; :class:`TransportTimeout` at its deadline."""
+        while item.reply is None:
+            left = item.deadline - time.monotonic()
+            if left <= 0 or self._sock is None:
+                raise TransportTimeout(f"no reply to {item.op} seq={item.seq} from {self.address} "
+                                       f"within {self.timeout_s:.3f}s")
+            self.poll(min(left, 1.0) + 0.0005)
+        return item.reply
+
+    def expire(self) -> None:
+        """Raise :class:`TransportTimeout` if the oldest pending reply is overdue."""
+        if self._pending:
+            oldest = next(iter(self._pending.values()))
+            if time.monotonic() > oldest.deadline:
+                raise TransportTimeout(f"no reply to {oldest.op} seq={oldest.seq} within "
+                                       f"{self.timeout_s:.3f}s")
+
+    def _dispatch(self, frames: list) -> None:
+        reply = self._decode(frames)
+        item = self._pending.pop(reply.seq, None)
+        if item is None:
+            self.stray_replies += 1
+            return
+        if reply.server_id:
+            self._note_server(reply.server_id)
+        item.reply, item.received_at = reply, time.monotonic()
+        if item.on_reply is not None:
+            item.on_reply(item)
+
+    def _decode(self, frames: list) -> Reply:
+        try:
+            return p.decode_reply(frames, self.max_message_bytes)
+        except ProtocolError as exc:  # answer the pending with the typed error, if we know it
+            log.warning("undecodable reply from %s: %s", self.address, exc)
+            return Reply(seq=exc.seq, ok=False, server_id="",
+                         error={"code": exc.code.value, "message": exc.message})
+
+    def _note_server(self, server_id: str) -> None:
+        old, self.server_id = self.server_id, server_id
+        if old is not None and old != server_id:
+            self.on_server_id(old, server_id)

@@ -1,0 +1,93 @@
+"""Per-phase timings, counters, the periodic timing log and the stats snapshot."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+log = logging.getLogger("k3_accel.transport")
+
+PHASES = ("stage", "d2h", "enqueue", "wait", "ring_wait", "round_trip", "step")
+
+
+@dataclass
+class PhaseStat:
+    """Running sum / count / max of one phase, in seconds."""
+    total: float = 0.0
+    count: int = 0
+    peak: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.total += seconds
+        self.count += 1
+        self.peak = max(self.peak, seconds)
+
+    def as_ms(self) -> dict[str, float]:
+        mean = self.total / self.count if self.count else 0.0
+        return {"mean_ms": mean * 1e3, "max_ms": self.peak * 1e3, "count": self.count}
+
+
+class Telemetry:
+    """Phase timers and counters of one client; safe to update from any thread.
+
+    Phases: ``stage`` (slot bookkeeping and copy issue), ``d2h`` (waiting for
+    the device->host copy), ``enqueue`` (encode + hand frames to ZMQ),
+    ``wait`` (blocked on a propose / synchronous reply), ``ring_wait``
+    (blocked on a busy slot), ``round_trip`` (send -> reply, per message, also
+    for deferred ones) and ``step`` (whole step). ``server.*`` phases are
+    whatever timing the server reports in reply bodies.
+    """
+
+    def __init__(self, log_interval: int = 0):
+        self.log_interval = log_interval
+        self._lock = threading.Lock()
+        self._window: dict[str, PhaseStat] = {}
+        self._total: dict[str, PhaseStat] = {}
+        self.counters: Counter[str] = Counter()
+        self.steps = 0
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self._window.setdefault(phase, PhaseStat()).add(seconds)
+            self._total.setdefault(phase, PhaseStat()).add(seconds)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - started)
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def add_server_timing(self, timing: Any) -> None:
+        """Record a reply's ``timing`` map (seconds per server phase), if any."""
+        if not isinstance(timing, Mapping):
+            return
+        for name, value in timing.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.add(f"server.{name}", float(value))
+
+    def end_step(self) -> None:
+        """Count a step; every ``log_interval`` steps log the window's means and reset it."""
+        with self._lock:
+            self.steps += 1
+            due = self.log_interval > 0 and self.steps % self.log_interval == 0
+            window = self._window if due else None
+            if due:
+                self._window = {}
+        if window:
+            parts = " ".join(f"{k}={v.total / v.count * 1e3:.3f}ms" for k, v in sorted(window.items()) if v.count)
+            log.info("k3 draft transport timing over %d steps: %s", self.log_interval, parts)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"steps": self.steps, "counters": dict(self.counters),
+                    "phases": {k: v.as_ms() for k, v in sorted(self._total.items())}}

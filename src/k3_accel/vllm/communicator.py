@@ -1,0 +1,276 @@
+"""vLLM adapter: ``K3CudaCommunicator`` routes large TP all-reduces to the DMA ring.
+
+Installed by :func:`install` (called from the plugin's ``register()``), which
+points the CUDA platform's ``get_device_communicator_cls`` hook at this class.
+It stays a subclass of ``CudaCommunicator`` with the same constructor, so
+``GroupCoordinator.graph_capture`` and every stock backend keep working.
+
+Only the TP group (``unique_name`` ``tp:*``) with more than one rank builds a
+router; every other group, and the TP group whenever the ring is off, runs the
+stock code behind one ``is None`` branch. Everything the router does not send
+to the ring goes to the stock ``CudaCommunicator.all_reduce``.
+
+Settings come from ``k3_accel.config.load_config(additional_config)`` →
+``K3Config.dma_min_bytes`` (a :class:`~k3_accel.comm.threshold.DmaThreshold`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, ClassVar, List, Optional, Tuple
+
+import torch
+
+from k3_accel.comm.oneshot import OneShotBackend
+from k3_accel.comm.router import AllReduceRouter, RouterDecision, RouterHooks, build_router
+from k3_accel.comm.threshold import ENV_VAR, DmaThreshold, parse_dma_min_bytes
+from k3_accel.vllm.compat import MissingSymbol, require
+
+_CUDA_COMM_MODULE = "vllm.distributed.device_communicators.cuda_communicator"
+STOCK_QUALNAME = f"{_CUDA_COMM_MODULE}.CudaCommunicator"
+QUALNAME = "k3_accel.vllm.communicator.K3CudaCommunicator"
+
+# A child of vLLM's logger, so vLLM's handler prints it.
+log = logging.getLogger("vllm.k3_accel.communicator")
+
+CudaCommunicator = require(_CUDA_COMM_MODULE, "CudaCommunicator")
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What the ring must hold, from the vLLM config."""
+
+    max_bytes: Optional[int]
+    capture_sizes: Tuple[Tuple[int, torch.dtype], ...] = ()
+    model_dtype: torch.dtype = torch.bfloat16
+    note: str = ""
+
+
+def sizing_from_vllm_config(vllm_config) -> Sizing:
+    """``max_bytes`` = max batched tokens × largest hidden size × 4 (fp32 reductions count).
+
+    Capture sizes = each CUDA-graph capture batch × hidden size, in the model dtype.
+    """
+    if vllm_config is None or getattr(vllm_config, "model_config", None) is None:
+        return Sizing(None, note="no vLLM model config at communicator construction")
+    model = vllm_config.model_config
+    hidden = int(model.get_hidden_size())
+    hiddens = [hidden]
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None) if spec is not None else None
+    if draft is not None:
+        try:
+            hiddens.append(int(draft.get_hidden_size()))
+        except Exception:  # noqa: BLE001 - a draft without a hidden size reduces nothing here
+            pass
+    tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    dtype = model.dtype if isinstance(model.dtype, torch.dtype) else torch.bfloat16
+    itemsize = max(torch.empty(0, dtype=dtype).element_size(), 4)
+    max_bytes = tokens * max(hiddens) * itemsize
+    captures: List[Tuple[int, torch.dtype]] = []
+    compilation = getattr(vllm_config, "compilation_config", None)
+    sizes = getattr(compilation, "cudagraph_capture_sizes", None) or []
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if mode is None or str(getattr(mode, "name", mode)).upper() != "NONE":
+        captures = [(int(b) * hidden, dtype) for b in sizes if int(b) > 0]
+    return Sizing(max_bytes, tuple(captures), dtype)
+
+
+def load_threshold(vllm_config) -> DmaThreshold:
+    """The DMA threshold from the plugin's config (``additional_config`` + env)."""
+    additional = getattr(vllm_config, "additional_config", None) if vllm_config is not None else None
+    if not isinstance(additional, dict):
+        additional = None
+    try:
+        from k3_accel.config import load_config
+    except ImportError:  # the plugin's config module is absent: read the variable directly
+        return parse_dma_min_bytes(os.environ.get(ENV_VAR))
+    return load_config(additional).dma_min_bytes
+
+
+def _current_vllm_config():
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    return get_current_vllm_config_or_none()
+
+
+@dataclass
+class Overrides:
+    """Test/benchmark injection: hooks for the router and a fixed sizing."""
+
+    hooks: Optional[RouterHooks] = None
+    sizing: Optional[Sizing] = None
+    threshold: Optional[DmaThreshold] = None
+
+
+class K3CudaCommunicator(CudaCommunicator):  # type: ignore[misc, valid-type]
+    """``CudaCommunicator`` whose TP all-reduce goes through the k3-accel router."""
+
+    overrides: ClassVar[Optional[Overrides]] = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.k3_router: Optional[AllReduceRouter] = None
+        self.k3_decision: Optional[RouterDecision] = None
+        if (
+            self.world_size > 1
+            and self.unique_name.split(":")[0] == "tp"
+            and isinstance(self.cpu_group, torch.distributed.ProcessGroup)
+        ):
+            self._k3_setup()
+
+    # ------------------------------------------------------------- set-up
+    def _k3_stock_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return CudaCommunicator.all_reduce(self, t)
+
+    def _k3_setup(self) -> None:
+        overrides = type(self).overrides or Overrides()
+        vllm_config = _current_vllm_config()
+        threshold = overrides.threshold or load_threshold(vllm_config)
+        sizing = overrides.sizing or sizing_from_vllm_config(vllm_config)
+        oneshot = OneShotBackend.from_vllm(
+            getattr(self, "fi_pcie_ipc_ar_comm", None), run=self._k3_stock_all_reduce
+        )
+        from k3_accel.vllm.compat import vllm_version
+
+        router = build_router(
+            group=self.cpu_group,
+            device=self.device,
+            threshold=threshold,
+            max_bytes=sizing.max_bytes,
+            fallback=self._k3_stock_all_reduce,
+            oneshot=oneshot,
+            next_name="VLLM_STOCK",
+            capture_sizes=sizing.capture_sizes,
+            measure_dtype=sizing.model_dtype,
+            exchange_group=self.cpu_group,
+            hooks=overrides.hooks,
+            cache_fields={"vllm": vllm_version()},
+        )
+        decision = router.decision
+        if sizing.note and decision is not None and router.dma is None:
+            decision = RouterDecision(
+                decision.backend, None, f"{decision.reason} ({sizing.note})", decision.threshold,
+                decision.max_bytes, 0, decision.crossover,
+            )
+        self.k3_decision = decision
+        # Without the ring the router adds nothing over stock: drop it (one branch per call).
+        self.k3_router = router if router.dma is not None else None
+        if int(getattr(self, "rank_in_group", 0)) == 0 and decision is not None:
+            log.info("k3-accel TP group %s: %s", self.unique_name, decision.summary)
+
+    # ------------------------------------------------------------ hot path
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        router = self.k3_router
+        if router is None:
+            return CudaCommunicator.all_reduce(self, input_)
+        return router.all_reduce(input_)
+
+    def all_reduce_in_place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group; **use the returned tensor**.
+
+        The result is either ``tensor`` itself (reduced in place by NCCL) or a
+        new tensor (one-shot, DMA ring or another stock custom backend, all
+        out-of-place) — after the call the caller must treat ``tensor`` as
+        dead: its contents are unspecified when a new tensor is returned.
+        World size 1 returns ``tensor`` unchanged.
+        """
+        if self.world_size == 1:
+            return tensor
+        router = self.k3_router
+        if router is not None and router.choose(tensor) != "next":
+            return router.all_reduce(tensor)
+        if self._k3_stock_custom_accepts(tensor):
+            return CudaCommunicator.all_reduce(self, tensor)
+        pynccl = getattr(self, "pynccl_comm", None)
+        if pynccl is not None and not getattr(pynccl, "disabled", True):
+            if pynccl.all_reduce(tensor, out_tensor=tensor) is not None:
+                return tensor
+        torch.distributed.all_reduce(tensor, group=self.device_group)
+        return tensor
+
+    def _k3_stock_custom_accepts(self, t: torch.Tensor) -> bool:
+        """Would stock vLLM use one of its out-of-place custom backends for ``t``?"""
+        checks: List[Tuple[str, str]] = [
+            ("qr_comm", "should_quick_allreduce"),
+            ("fi_pcie_ipc_ar_comm", "should_use"),
+            ("fi_ar_comm", "should_use_fi_ar"),
+            ("aiter_ar_comm", "should_custom_ar"),
+            ("ca_comm", "should_custom_ar"),
+            ("symm_mem_comm", "should_use_symm_mem"),
+        ]
+        for attr, method in checks:
+            backend = getattr(self, attr, None)
+            if backend is None or getattr(backend, "disabled", False):
+                continue
+            if attr == "aiter_ar_comm" and not getattr(self, "use_aiter_allreduce", False):
+                continue
+            check: Optional[Callable] = getattr(backend, method, None)
+            if check is not None and check(t):
+                return True
+        return False
+
+    # ------------------------------------------------------------ teardown
+    def destroy(self) -> None:
+        """Collective on the TP group: closes the ring on every rank, then stock teardown."""
+        router, self.k3_router = self.k3_router, None
+        if router is not None:
+            router.close()
+        super().destroy()
+
+
+def _patched_get_device_communicator_cls(cls) -> str:
+    return QUALNAME
+
+
+_patched_get_device_communicator_cls._k3_accel = True  # type: ignore[attr-defined]
+
+
+def patch_platform(platform_cls: type) -> bool:
+    """Point ``platform_cls.get_device_communicator_cls`` at :data:`QUALNAME`.
+
+    Idempotent. Refuses (returns False) when the hook does not currently return
+    stock ``CudaCommunicator`` — another plugin already owns it.
+    """
+    hook = getattr(platform_cls, "get_device_communicator_cls", None)
+    if hook is None:
+        raise MissingSymbol(f"{platform_cls.__module__}.{platform_cls.__qualname__}.get_device_communicator_cls")
+    if getattr(getattr(hook, "__func__", hook), "_k3_accel", False):
+        return True
+    current = hook()
+    if current != STOCK_QUALNAME:
+        log.warning(
+            "k3-accel: %s's communicator is %s, not stock CudaCommunicator; DMA router not installed",
+            platform_cls.__qualname__, current,
+        )
+        return False
+    platform_cls.get_device_communicator_cls = classmethod(_patched_get_device_communicator_cls)
+    return True
+
+
+def install(platform_cls: Optional[type] = None) -> bool:
+    """Install the communicator override; cheap and idempotent (no CUDA, no sockets).
+
+    Returns True when installed, False when not applicable (not a CUDA platform,
+    or another plugin owns the hook). Raises :class:`MissingSymbol` when the
+    installed vLLM lacks what the override needs.
+    """
+    if platform_cls is None:
+        platforms = require("vllm.platforms")
+        current = getattr(platforms, "current_platform")
+        is_cuda = getattr(current, "is_cuda", None)
+        if is_cuda is None:
+            raise MissingSymbol("vllm.platforms.current_platform.is_cuda")
+        if not is_cuda():
+            return False
+        platform_cls = require("vllm.platforms.cuda", "CudaPlatformBase")
+    return patch_platform(platform_cls)
+
+
+__all__ = [
+    "K3CudaCommunicator", "Overrides", "QUALNAME", "STOCK_QUALNAME", "Sizing",
+    "install", "load_threshold", "patch_platform", "sizing_from_vllm_config",
+]

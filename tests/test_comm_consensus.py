@@ -1,0 +1,264 @@
+"""Collective start-up over real gloo groups (spawned processes).
+
+The DMA ring itself needs GPUs; here the router, consensus, probe and crossover
+code runs unchanged with :class:`LoopbackDmaRuntime` standing in for b12x.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from test_comm_harness import run_ranks
+
+from k3_accel.comm.consensus import agree, create_on_all_ranks
+from k3_accel.comm.crossover import MiB, CrossoverCache, run_auto
+from k3_accel.comm.eligibility import ProbeResult, probe_all_peer
+from k3_accel.comm.loopback import LoopbackDmaRuntime, loopback_planner
+from k3_accel.comm.router import RouterHooks, build_router
+from k3_accel.comm.threshold import DmaThreshold
+
+OK_PROBE = lambda group, device: ProbeResult(True, "injected", signature=("test",))  # noqa: E731
+
+
+def _agree(rank, world):
+    group = dist.new_group(backend="gloo")
+    none = agree(group, None)
+    one = agree(group, "boom" if rank == 1 else None)
+    two = agree(group, f"bad{rank}" if rank in (1, 2) else None)
+    return none, one, two
+
+
+def test_agree_reports_the_same_reason_everywhere():
+    out = run_ranks(_agree, 3)
+    assert all(r[0] is None for r in out)
+    assert {r[1] for r in out} == {"rank 1: boom"}
+    assert {r[2] for r in out} == {"rank 1: bad1 (and 1 more rank(s))"}
+
+
+def _create_with_failure(rank, world):
+    group = dist.new_group(backend="gloo")
+    runtime_cls = LoopbackDmaRuntime.failing_on({1})
+    abandoned = []
+    created = create_on_all_ranks(
+        group,
+        lambda: runtime_cls(exchange_group=group, device="cpu", max_bytes=MiB),
+        abandon=abandoned.append,
+    )
+    # the group still works afterwards (nobody is stuck in a collective)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=group)
+    return created.ok, created.reason, len(abandoned), t.tolist()
+
+
+def test_one_rank_failing_init_keeps_every_rank_off():
+    out = run_ranks(_create_with_failure, 3)
+    assert [o[0] for o in out] == [False, False, False]
+    assert all("rank 1" in o[1] and "cannot open peer handles" in o[1] for o in out)
+    assert [o[2] for o in out] == [1, 0, 1]        # ranks that built one release it locally
+    assert all(o[3] == [3.0, 3.0] for o in out)
+
+
+def _build(rank, world, mode, fail_ranks, probe_kind, report):
+    group = dist.new_group(backend="gloo")
+    runtime_cls = LoopbackDmaRuntime.failing_on(fail_ranks) if fail_ranks else LoopbackDmaRuntime
+    probes = []
+
+    def probe(g, device):
+        probes.append(1)
+        if probe_kind == "ok":
+            return ProbeResult(True, "injected", signature=("test",))
+        if probe_kind == "real-fail":
+            # each rank sees only its own GPU (e.g. CUDA_VISIBLE_DEVICES per process)
+            return probe_all_peer(
+                g, torch.device("cuda", rank), node_id=lambda: "n", device_id=lambda i: f"gpu{i}",
+                device_name=lambda i: "x", visible_devices=lambda: [rank], can_access=lambda a, b: True,
+            )
+        return ProbeResult(False, "injected failure")
+
+    oneshot = None
+    if report is not None:
+        from k3_accel.comm.oneshot import OneShotBackend
+
+        ws = type("W", (), {"supports_all_peer_auxiliary": report})()
+        impl = type("F", (), {"disabled": False, "workspace": ws, "should_use": lambda self, t: False})()
+        oneshot = OneShotBackend.from_vllm(impl)
+    hooks = RouterHooks(runtime_cls=runtime_cls, planner=loopback_planner, probe=probe, cache=None)
+    fallback_calls = []
+
+    def fallback(t):
+        fallback_calls.append(t.numel())
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    threshold = {"off": DmaThreshold.off(), "fixed": DmaThreshold.at(64 * 1024)}[mode]
+    router = build_router(
+        group=group, device=torch.device("cpu"), threshold=threshold, max_bytes=4 * MiB,
+        fallback=fallback, oneshot=oneshot, hooks=hooks,
+        capture_sizes=[(128 * 1024, torch.float32), (1024, torch.float32)],
+    )
+    result = {
+        "backend": router.backend_name,
+        "reason": router.decision.reason,
+        "min": router.dma_min_bytes,
+        "probed": len(probes),
+        "prepared": router.decision.prepared_sizes,
+    }
+    if router.dma is not None:
+        big = torch.full((256, 1024), float(rank + 1))       # 1 MiB fp32
+        small = torch.full((8, 128), float(rank + 1))         # 4 KiB
+        out_big = router.all_reduce(big)
+        out_small = router.all_reduce(small)
+        result["sums"] = (out_big[0, 0].item(), out_small[0, 0].item())
+        result["ring_calls"] = router.dma.runtime.calls
+        result["fallback_calls"] = list(fallback_calls)
+        runtime = router.dma.runtime
+        router.close()
+        result["closed"] = runtime.closed
+    return result
+
+
+def test_fixed_threshold_routes_through_ring_and_closes_collectively():
+    out = run_ranks(_build, 2, "fixed", (), "ok", None)
+    for r in out:
+        assert r["backend"] == "B12X_DMA" and r["min"] == 64 * 1024
+        assert r["prepared"] == 1                 # 512 KiB capture size yes, 4 KiB no
+        assert r["sums"] == (3.0, 3.0)
+        assert r["ring_calls"] == 2               # prepare warm-up + the big tensor
+        assert r["fallback_calls"] == [8 * 128]
+        assert r["closed"] is True
+
+
+def test_off_never_builds_or_probes():
+    out = run_ranks(_build, 2, "off", (), "ok", None)
+    assert all(r["backend"] == "NCCL" and r["probed"] == 0 and r["min"] is None for r in out)
+
+
+def test_init_failure_on_one_rank_keeps_nccl_on_all():
+    out = run_ranks(_build, 2, "fixed", (1,), "ok", None)
+    assert all(r["backend"] == "NCCL" and r["min"] is None for r in out)
+    assert all("initialisation failed" in r["reason"] and "rank 1" in r["reason"] for r in out)
+
+
+def test_fail_closed_without_a_report():
+    out = run_ranks(_build, 2, "fixed", (), "fail", None)
+    assert all(r["backend"] == "NCCL" and "injected failure" in r["reason"] for r in out)
+
+
+def test_explicit_false_report_vetoes_even_a_passing_probe():
+    out = run_ranks(_build, 2, "fixed", (), "ok", False)
+    assert all(r["backend"] == "FLASHINFER_PCIE_IPC" and r["probed"] == 0 for r in out)
+    assert all("reports no all-peer" in r["reason"] for r in out)
+
+
+def test_true_report_skips_probe():
+    out = run_ranks(_build, 2, "fixed", (), "fail", True)
+    assert all(r["backend"] == "FLASHINFER_PCIE_IPC_B12X_DMA" and r["probed"] == 0 for r in out)
+
+
+def test_real_probe_fails_closed_when_peers_are_invisible():
+    out = run_ranks(_build, 2, "fixed", (), "real-fail", None)
+    assert all(r["backend"] == "NCCL" and "not visible" in r["reason"] for r in out)
+
+
+# ------------------------------------------------------------------ probe
+def _probe(rank, world, case):
+    group = dist.new_group(backend="gloo")
+    nodes = {"one-node": "n0", "two-nodes": f"n{rank % 2}", "no-p2p": "n0"}
+    def can_access(a, b):
+        return not (case == "no-p2p" and a == 2 and b == 0)
+    res = probe_all_peer(
+        group, torch.device("cuda", rank),
+        node_id=lambda: nodes[case],
+        device_id=lambda i: f"GPU-{i}",
+        device_name=lambda i: "Fake GPU",
+        visible_devices=lambda: range(world),
+        can_access=can_access,
+    )
+    return res.ok, res.reason, res.signature
+
+
+def test_probe_passes_on_one_node_with_full_p2p():
+    out = run_ranks(_probe, 3, "one-node")
+    assert all(o[0] for o in out)
+    assert out[0][2][1] == ("Fake GPU",) * 3
+
+
+def test_probe_fails_on_two_nodes_and_without_p2p_everywhere():
+    out = run_ranks(_probe, 3, "two-nodes")
+    assert all(not o[0] and "2 nodes" in o[1] for o in out)
+    out = run_ranks(_probe, 3, "no-p2p")
+    assert all(not o[0] and "no peer access from rank 2 to rank 0" in o[1] for o in out)
+
+
+def test_probe_refuses_a_cpu_device():
+    assert run_ranks(_probe_cpu, 2) == [False, False]
+
+
+def _probe_cpu(rank, world):
+    return probe_all_peer(dist.new_group(backend="gloo"), torch.device("cpu")).ok
+
+
+# -------------------------------------------------------------- crossover
+def _auto(rank, world, cache_dir):
+    group = dist.new_group(backend="gloo")
+    sizes = [4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB]
+    # rank 0: DMA wins from 16 MiB; rank 1 is slower at 16 MiB, wins from 32 MiB.
+    def measure(nbytes):
+        nxt = nbytes / (10 * MiB) * 1e-3
+        if nbytes >= 32 * MiB or (nbytes >= 16 * MiB and rank == 0):
+            return nxt, nxt * 0.8
+        return nxt, nxt * 1.5
+
+    cache = CrossoverCache(cache_dir)
+    first = run_auto(group, measure, sizes, cache=cache, fields={"world_size": world})
+
+    def must_not_measure(nbytes):
+        raise AssertionError("cache hit expected")
+
+    second = run_auto(group, must_not_measure, sizes, cache=cache, fields={"world_size": world})
+    return first.min_bytes, first.source, second.min_bytes, second.source, [s.dma_s for s in first.samples]
+
+
+def test_auto_merges_ranks_and_caches(tmp_path):
+    out = run_ranks(_auto, 2, str(tmp_path))
+    assert {o[0] for o in out} == {32 * MiB}            # slowest rank decides
+    assert all(o[1] == "measured" and o[2] == 32 * MiB and o[3] == "cache" for o in out)
+    assert out[0][4] == out[1][4]                        # identical merged tables
+    assert len(list(tmp_path.glob("dma-crossover-*.json"))) == 1
+
+
+def _auto_router(rank, world, winning, cache_dir):
+    group = dist.new_group(backend="gloo")
+
+    def factory(dma, fallback, device, dtype):
+        def measure(nbytes):
+            return (1e-3, 0.5e-3) if winning and nbytes >= 2 * MiB else (1e-3, 2e-3)
+        return measure
+
+    hooks = RouterHooks(runtime_cls=LoopbackDmaRuntime, planner=loopback_planner, probe=OK_PROBE,
+                        measure_factory=factory, cache=CrossoverCache(cache_dir))
+    router = build_router(
+        group=group, device=torch.device("cpu"), threshold=DmaThreshold.auto(), max_bytes=8 * MiB,
+        fallback=lambda t: t, hooks=hooks,
+    )
+    instances = LoopbackDmaRuntime.instances
+    closed = [inst.closed for inst in instances]
+    res = (router.backend_name, router.dma_min_bytes, router.decision.reason, closed)
+    router.close()
+    return res
+
+
+def test_auto_without_a_winning_size_releases_the_ring(tmp_path):
+    out = run_ranks(_auto_router, 2, False, str(tmp_path))
+    for backend, min_bytes, reason, closed in out:
+        assert backend == "NCCL" and min_bytes is None
+        assert reason.startswith("auto (measured)") and "never wins" in reason
+        assert closed == [True]
+
+
+def test_auto_with_a_winning_size_keeps_the_ring(tmp_path):
+    out = run_ranks(_auto_router, 2, True, str(tmp_path))
+    for backend, min_bytes, reason, closed in out:
+        assert backend == "B12X_DMA" and min_bytes == 2 * MiB and closed == [False]
+        assert "wins from 2 MiB" in reason

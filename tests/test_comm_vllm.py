@@ -1,0 +1,252 @@
+"""The vLLM adapter against a real vLLM import (``VLLM_TARGET_DEVICE=cpu``).
+
+``K3CudaCommunicator`` is a real ``CudaCommunicator`` subclass; on CPU its stock
+parts run over gloo (PyNCCL and custom all-reduce disable themselves) and the
+ring is :class:`LoopbackDmaRuntime` — the same router code as on GPUs.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from test_comm_harness import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+ENV = {"VLLM_TARGET_DEVICE": "cpu"}
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------ registration
+def test_communicator_install_is_a_noop_off_cuda():
+    from vllm.platforms import current_platform
+
+    from k3_accel.vllm import communicator
+
+    before = current_platform.get_device_communicator_cls()
+    assert not current_platform.is_cuda()
+    assert communicator.install() is False
+    assert communicator.install() is False
+    assert current_platform.get_device_communicator_cls() == before
+
+
+def _cuda_like_platform():
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    class CudaLikePlatform(Platform):
+        _enum = PlatformEnum.CUDA
+
+        @classmethod
+        def get_device_communicator_cls(cls) -> str:
+            return "vllm.distributed.device_communicators.cuda_communicator.CudaCommunicator"
+
+    return CudaLikePlatform
+
+
+def test_platform_hook_returns_the_subclass():
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from k3_accel.vllm.communicator import K3CudaCommunicator, patch_platform
+
+    platform = _cuda_like_platform()
+    assert patch_platform(platform) is True
+    assert patch_platform(platform) is True                 # idempotent
+    cls = resolve_obj_by_qualname(platform.get_device_communicator_cls())
+    assert cls is K3CudaCommunicator and issubclass(cls, CudaCommunicator)
+
+
+def test_patch_refuses_a_hook_owned_by_someone_else():
+    from k3_accel.vllm.communicator import patch_platform
+
+    platform = _cuda_like_platform()
+    platform.get_device_communicator_cls = classmethod(lambda cls: "other.plugin.Comm")
+    assert patch_platform(platform) is False
+    assert platform.get_device_communicator_cls() == "other.plugin.Comm"
+
+
+def test_cuda_platform_module_when_importable():
+    try:
+        from vllm.platforms.cuda import CudaPlatformBase
+    except Exception as exc:  # noqa: BLE001 - CPU builds cannot load vLLM's CUDA extension
+        pytest.skip(f"vllm.platforms.cuda does not import here: {exc}")
+    from k3_accel.vllm.communicator import QUALNAME, install
+
+    assert install(CudaPlatformBase) is True
+    assert CudaPlatformBase.get_device_communicator_cls() == QUALNAME
+
+
+def test_missing_symbol_is_typed():
+    from k3_accel.vllm.compat import MissingSymbol
+    from k3_accel.vllm.communicator import patch_platform
+
+    with pytest.raises(MissingSymbol):
+        patch_platform(type("NoHook", (), {}))
+
+
+def test_custom_op_registered_idempotently_with_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from k3_accel.vllm import custom_op
+
+    assert custom_op.install() is True
+    assert custom_op.install() is True
+    op = torch.ops.vllm.k3_all_reduce
+    schema = str(op.default._schema)
+    assert schema.startswith("vllm::k3_all_reduce(Tensor tensor, str group_name) -> Tensor")
+    with FakeTensorMode():
+        x = torch.empty(4, 8, dtype=torch.bfloat16)
+        y = op(x, "tp:0")
+        assert y.shape == (4, 8) and y.dtype == torch.bfloat16
+
+
+# -------------------------------------------------------------- behaviour
+def _setup_overrides(threshold_text, max_bytes=4 * MiB):
+    from k3_accel.comm.eligibility import ProbeResult
+    from k3_accel.comm.loopback import LoopbackDmaRuntime, loopback_planner
+    from k3_accel.comm.router import RouterHooks
+    from k3_accel.comm.threshold import parse_dma_min_bytes
+    from k3_accel.vllm.communicator import K3CudaCommunicator, Overrides, Sizing
+
+    hooks = RouterHooks(
+        runtime_cls=LoopbackDmaRuntime, planner=loopback_planner,
+        probe=lambda g, d: ProbeResult(True, "injected"), cache=None,
+    )
+    K3CudaCommunicator.overrides = Overrides(
+        hooks=hooks,
+        sizing=Sizing(max_bytes, ((64 * 2048, torch.float32),), torch.float32),
+        threshold=None if threshold_text is None else parse_dma_min_bytes(threshold_text),
+    )
+    return K3CudaCommunicator
+
+
+def _comm(rank, world):
+    cls = _setup_overrides("256K")
+    group = dist.new_group(backend="gloo")
+    comm = cls(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="tp:0")
+    res = {"backend": comm.k3_decision.backend, "min": comm.k3_router.dma.min_bytes}
+    ring = comm.k3_router.dma.runtime
+    calls0 = ring.calls                                    # capture size prepared at start
+    small = torch.full((4, 64), float(rank + 1))
+    big = torch.full((256, 1024), float(rank + 1))         # 1 MiB fp32
+    res["small"] = comm.all_reduce(small)[0, 0].item()
+    res["big"] = comm.all_reduce(big)[0, 0].item()
+    res["ring_calls"] = ring.calls - calls0
+    # in-place entry: NCCL-class path reduces in place and returns the same tensor
+    t = torch.full((4, 64), float(rank + 1))
+    out = comm.all_reduce_in_place(t)
+    res["inplace_small_same"] = out is t
+    res["inplace_small_value"] = t[0, 0].item()
+    # ring path returns a different tensor; the input is dead
+    t = torch.full((256, 1024), float(rank + 1))
+    out = comm.all_reduce_in_place(t)
+    res["inplace_big_same"] = out is t
+    res["inplace_big_value"] = out[0, 0].item()
+    res["ring_calls_after"] = ring.calls - calls0
+    comm.destroy()
+    res["closed"] = ring.closed
+    res["router_after_destroy"] = comm.k3_router
+    return res
+
+
+def test_tp_communicator_routes_and_tears_down():
+    out = run_ranks(_comm, 2, env=ENV)
+    for r in out:
+        assert r["backend"] == "B12X_DMA" and r["min"] == 256 * 1024
+        assert r["small"] == 3.0 and r["big"] == 3.0 and r["ring_calls"] == 1
+        assert r["inplace_small_same"] is True and r["inplace_small_value"] == 3.0
+        assert r["inplace_big_same"] is False and r["inplace_big_value"] == 3.0
+        assert r["ring_calls_after"] == 2
+        assert r["closed"] is True and r["router_after_destroy"] is None
+
+
+def _other_groups(rank, world):
+    cls = _setup_overrides("256K")
+    group = dist.new_group(backend="gloo")
+    singles = [dist.new_group([r], backend="gloo") for r in range(world)]
+    pp = cls(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="pp:0")
+    one = cls(cpu_group=singles[rank], device=torch.device("cpu"), device_group=singles[rank], unique_name="tp:1")
+    t = torch.full((8,), float(rank + 1))
+    same = one.all_reduce_in_place(t)
+    res = (pp.k3_router, pp.k3_decision, one.k3_router, same is t, t.tolist(),
+           pp.all_reduce(torch.ones(8)).tolist())
+    pp.destroy()
+    one.destroy()
+    return res
+
+
+def test_only_multi_rank_tp_groups_get_a_router():
+    out = run_ranks(_other_groups, 2, env=ENV)
+    for rank, (pp_router, pp_decision, one_router, same, values, pp_sum) in enumerate(out):
+        assert pp_router is None and pp_decision is None and one_router is None
+        assert same is True and values == [float(rank + 1)] * 8     # world size 1: untouched
+        assert pp_sum == [2.0] * 8
+
+
+def _off(rank, world, text):
+    cls = _setup_overrides(text)
+    group = dist.new_group(backend="gloo")
+    comm = cls(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="tp:0")
+    out = comm.all_reduce(torch.full((256, 1024), float(rank + 1)))
+    res = (comm.k3_router, comm.k3_decision.backend, comm.k3_decision.reason, out[0, 0].item())
+    comm.destroy()
+    return res
+
+
+def test_dma_off_leaves_stock_path_only():
+    for router, backend, reason, value in run_ranks(_off, 2, "off", env=ENV):
+        assert router is None and backend == "VLLM_STOCK" and "disabled" in reason and value == 3.0
+
+
+def _bad_env(rank, world):
+    cls = _setup_overrides(None)
+    group = dist.new_group(backend="gloo")
+    try:
+        cls(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="tp:0")
+    except ValueError as exc:  # the plugin's ConfigError / DmaThresholdError, both ValueErrors
+        return str(exc)
+    return None
+
+
+def test_bad_setting_fails_at_start_with_a_clear_error():
+    out = run_ranks(_bad_env, 2, env={**ENV, "VLLM_PCIE_DMA_MIN_BYTES": "-4M"})
+    assert all(msg is not None and "VLLM_PCIE_DMA_MIN_BYTES" in msg for msg in out)
+
+
+def _op(rank, world):
+    from vllm.distributed.parallel_state import GroupCoordinator
+    from vllm.platforms import current_platform
+
+    from k3_accel.vllm import custom_op
+    from k3_accel.vllm.communicator import QUALNAME
+
+    cls = _setup_overrides("256K")
+    type(current_platform).get_device_communicator_cls = classmethod(lambda c: QUALNAME)
+    custom_op.install()
+    coord = GroupCoordinator(
+        group_ranks=[list(range(world))], local_rank=rank, torch_distributed_backend="gloo",
+        use_device_communicator=True, group_name="tp",
+    )
+    comm = coord.device_communicator
+    ring = comm.k3_router.dma.runtime
+    before = ring.calls
+    small = torch.full((4, 64), float(rank + 1))
+    big = torch.full((256, 1024), float(rank + 1))
+    s = torch.ops.vllm.k3_all_reduce(small, coord.unique_name)
+    b = torch.ops.vllm.k3_all_reduce(big, coord.unique_name)
+    res = (type(comm) is cls, s[0, 0].item(), b[0, 0].item(), ring.calls - before,
+           s.data_ptr() != small.data_ptr(), b.data_ptr() != big.data_ptr())
+    coord.destroy()
+    return res
+
+
+def test_custom_op_goes_through_the_router():
+    for is_k3, small, big, ring_calls, new_small, new_big in run_ranks(_op, 2, env=ENV):
+        assert is_k3 and small == 3.0 and big == 3.0 and ring_calls == 1
+        assert new_small and new_big                       # out-of-place

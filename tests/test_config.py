@@ -1,0 +1,56 @@
+"""Settings: env vars, additional_config precedence, and clear errors."""
+from __future__ import annotations
+
+import pytest
+
+from k3_accel.config import ALLOWED_KEYS, ConfigError, K3Config, load_config
+
+
+def test_defaults():
+    cfg = load_config({}, environ={})
+    assert cfg == K3Config()
+    assert cfg.draft_address is None and cfg.draft_timeout_ms == 30000 and cfg.async_prefill_ingest == 2
+    assert cfg.dma_min_bytes.mode == "auto"
+
+
+def test_reference_env_names():
+    cfg = load_config(None, environ={
+        "VLLM_K3_DRAFT_REMOTE_ADDRESS": "tcp://10.0.0.2:5557", "VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS": "1500",
+        "VLLM_K3_DRAFT_ASYNC_PREFILL_INGEST": "0", "VLLM_K3_DRAFT_CAPTURE_DIR": "/tmp/cap",
+        "VLLM_K3_DRAFT_TIMING_LOG_INTERVAL": "50", "VLLM_PCIE_DMA_MIN_BYTES": "24M"})
+    assert cfg.draft_address == "tcp://10.0.0.2:5557" and cfg.draft_timeout_ms == 1500
+    assert cfg.async_prefill_ingest == 0 and cfg.capture_dir == "/tmp/cap" and cfg.timing_log_interval == 50
+    assert cfg.dma_min_bytes.mode == "bytes" and cfg.dma_min_bytes.min_bytes == 24 << 20
+
+
+def test_additional_config_wins_over_env():
+    cfg = load_config({"k3_accel": {"draft_address": "tcp://127.0.0.1:9", "async_prefill_ingest": 4}},
+                      environ={"VLLM_K3_DRAFT_REMOTE_ADDRESS": "tcp://127.0.0.1:1",
+                               "VLLM_K3_DRAFT_ASYNC_PREFILL_INGEST": "1"})
+    assert cfg.draft_address == "tcp://127.0.0.1:9" and cfg.async_prefill_ingest == 4
+
+
+@pytest.mark.parametrize("section, env, needle", [
+    ({"draft_adress": "tcp://x:1"}, {}, "unknown key(s) ['draft_adress']"),
+    ({}, {"VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS": "soon"}, "VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS='soon': expected an integer > 0"),
+    ({}, {"VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS": "0"}, "expected an integer > 0"),
+    ({"async_prefill_ingest": -1}, {}, "additional_config.k3_accel.async_prefill_ingest=-1: expected an integer >= 0"),
+    ({"draft_address": "localhost:5557"}, {}, "expected tcp://HOST:PORT"),
+    ({}, {"VLLM_PCIE_DMA_MIN_BYTES": "-5"}, "VLLM_PCIE_DMA_MIN_BYTES"),
+    ({}, {"VLLM_PCIE_DMA_MIN_BYTES": "lots"}, "allowed"),
+])
+def test_bad_values_name_the_key(section, env, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config({"k3_accel": section}, environ=env)
+    assert needle in str(info.value)
+
+
+def test_section_must_be_an_object():
+    with pytest.raises(ConfigError, match="expected an object"):
+        load_config({"k3_accel": ["draft_address"]}, environ={})
+
+
+def test_unknown_key_error_lists_allowed_keys():
+    with pytest.raises(ConfigError) as info:
+        load_config({"k3_accel": {"nope": 1}}, environ={})
+    assert all(k in str(info.value) for k in ALLOWED_KEYS)

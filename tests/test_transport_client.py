@@ -1,0 +1,261 @@
+"""DraftClient against a real ngram draft server (subprocess, real ZMQ sockets)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from k3_accel.server.engines.ngram import lookup
+from k3_accel.transport.api import StepInput
+from k3_accel.transport.failures import StepInputError
+from test_transport_helpers import DraftServer, client_factory, rows, server  # noqa: F401 (fixtures)
+
+K = 4
+
+
+def expected_drafts(history: list[int], anchor: int, k: int = K) -> list[int]:
+    found = lookup([*history, anchor], k)
+    return found + [-1] * (k - len(found))
+
+
+def test_deferred_ingests_then_propose_are_processed_in_order(server, client_factory):
+    client = client_factory(server.address, ring_depth=4)
+    history = [7, 8, 9, 10, 11] * 30 + [1, 2, 3]
+    first, second, last = history[:60], history[60:120], history[120:]
+    out1 = client.step(rows(["a"], [(0, first)], sampled=[False]))
+    assert out1.deferred and client._conn.in_flight >= 1        # returned before any reply
+    out2 = client.step(rows(["a"], [(60, second)], sampled=[False]))
+    assert out2.deferred and client._conn.in_flight >= 1
+    out3 = client.step(rows(["a"], [(120, last)], anchors=[7]))
+    assert not out3.deferred
+    # the drafts can only be right if the server stored all 153 rows, in order, before proposing
+    assert out3.drafts.tolist() == [expected_drafts(history, 7)]
+    stats = client.server_stats()
+    assert stats["ops"]["ingest"] == 2 and stats["ops"]["propose"] == 1 and stats["errors"] == {}
+    assert stats["ingested_rows"] == len(history)
+    counters = client.stats()["counters"]
+    assert counters["deferred_ingests"] == 2 and counters["sync_proposals"] == 1
+
+
+def test_mixed_step_splits_ingest_and_propose(server, client_factory):
+    client = client_factory(server.address)
+    a_hist, b_hist = [5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2, 3]
+    # b is still mid-prefill (did not sample): it must not be drafted for
+    out = client.step(rows(["a", "b"], [(0, a_hist), (0, b_hist[:4])], sampled=[True, False], anchors=[7, 1]))
+    assert out.drafts[0].tolist() == expected_drafts(a_hist, 7)
+    assert out.drafts[1].tolist() == [-1] * K
+    out = client.step(rows(["b", "a"], [(4, b_hist[4:]), (5, [7])], anchors=[4, 5]))
+    assert out.drafts[0].tolist() == expected_drafts(b_hist, 4)
+    assert out.drafts[1].tolist() == expected_drafts(a_hist + [7], 5)
+    stats = client.server_stats()
+    assert stats["proposals"] == 3 and stats["errors"] == {}
+
+
+def test_k_zero_ships_context_only(server, client_factory):
+    client = client_factory(server.address)
+    out = client.step(rows(["a"], [(0, [1, 2, 3])], k=0))
+    assert out.drafts.shape == (1, 0) and out.deferred
+    client.flush()
+    assert client.server_stats()["ops"].get("propose", 0) == 0
+
+
+def test_no_deferral_waits_for_ingest(server, client_factory):
+    client = client_factory(server.address, ring_depth=0)
+    out = client.step(rows(["a"], [(0, [1, 2, 3])], sampled=[False]))
+    assert not out.deferred and client._conn.in_flight == 0
+    assert client.stats()["counters"]["sync_ingests"] == 1
+
+
+def test_per_request_error_disables_only_that_request(server, client_factory):
+    client = client_factory(server.address)
+    inp = rows(["a", "b"], [(0, [1, 2, 1, 2]), (0, [3, 4, 3, 4])], anchors=[1, 3])
+    inp.anchor_positions = [4, 9]          # b's anchor does not follow its context
+    out = client.step(inp)
+    assert out.drafts[0].tolist() == expected_drafts([1, 2, 1, 2], 1)
+    assert out.drafts[1].tolist() == [-1] * K
+    assert client.is_disabled("b") and not client.is_disabled("a")
+    out = client.step(rows(["a", "b"], [(4, [1]), (4, [3])], anchors=[2, 4]))
+    assert out.drafts[0].tolist() == expected_drafts([1, 2, 1, 2, 1], 2)
+    assert out.drafts[1].tolist() == [-1] * K           # still disabled, and not sent
+    client.finish(["b"])
+    assert not client.is_disabled("b")
+    out = client.step(rows(["b"], [(0, [3, 4, 3, 4])], anchors=[3]))   # back as a new request
+    assert out.drafts[0].tolist() == expected_drafts([3, 4, 3, 4], 3)
+    counters = client.stats()["counters"]
+    assert counters["failures.request"] == 1 and counters["disabled_requests"] == 1
+
+
+def test_deferred_ingest_failure_is_drained_by_next_step(server, client_factory):
+    client = client_factory(server.address)
+    inp = rows(["good", "bad"], [(0, [1, 2, 3]), (0, [4, 5, 6])], sampled=[False, False])
+    inp.positions = torch.tensor([0, 1, 2, 0, 1, 7])    # bad: positions not contiguous
+    out = client.step(inp)
+    assert out.deferred and not client.is_disabled("bad")   # the reply is not read yet
+    out = client.step(rows(["good", "bad"], [(3, [1]), (3, [4])], anchors=[2, 5]))
+    assert client.is_disabled("bad") and not client.is_disabled("good")
+    assert out.drafts[1].tolist() == [-1] * K
+    assert out.drafts[0].tolist() == expected_drafts([1, 2, 3, 1], 2)
+
+
+def test_finish_frees_and_retains(server, client_factory):
+    client = client_factory(server.address)
+    client.step(rows(["a", "b"], [(0, [1, 2, 3]), (0, [4, 5])], anchors=[1, 4]))
+    client.finish(["a", "b", "never-seen"])
+    client.flush()
+    stats = client.server_stats()
+    assert stats["active"] == 0 and stats["retained"] == 2 and stats["errors"] == {}
+
+
+def test_prefix_cache_hit_reconnects_to_retained_request(server, client_factory):
+    client = client_factory(server.address)
+    prompt = list(range(100, 140))                      # 40 tokens; block size 16
+    client.step(rows(["a"], [(0, prompt)], anchors=[100]))
+    client.finish(["a"])
+    new_prompt = prompt[:32] + [100, 101, 102, 103]
+    # the target's prefix cache covered 32 tokens: rows start at position 32
+    out = client.step(rows(["b"], [(32, new_prompt[32:])], anchors=[104], prompts={"b": new_prompt}))
+    assert out.drafts[0].tolist() == expected_drafts(new_prompt, 104)
+    client.flush()
+    stats = client.server_stats()
+    assert stats["ops"]["reconnect"] == 1 and stats["errors"] == {}
+    assert client.stats()["counters"]["reconnects"] == 1
+
+
+def test_prefix_hit_without_match_cold_starts(server, client_factory):
+    client = client_factory(server.address)
+    prompt = [9, 8, 7, 6] * 8 + [1, 2]
+    out = client.step(rows(["c"], [(32, prompt[32:])], anchors=[9], prompts={"c": prompt}))
+    assert out.drafts[0].tolist() == expected_drafts(prompt, 9)
+    counters = client.stats()["counters"]
+    assert counters["cold_starts"] == 1 and "reconnects" not in counters
+
+
+def test_prefix_hit_without_prompt_is_disabled(server, client_factory):
+    client = client_factory(server.address)
+    out = client.step(rows(["d", "e"], [(16, [1, 2]), (0, [1, 2, 1])], anchors=[3, 2]))
+    assert out.drafts[0].tolist() == [-1] * K
+    assert out.drafts[1].tolist() == expected_drafts([1, 2, 1], 2)
+    assert client.is_disabled("d") and client.stats()["counters"]["failures.cold_start"] == 1
+
+
+def test_client_gap_disables_request(server, client_factory):
+    client = client_factory(server.address)
+    client.step(rows(["a"], [(0, [1, 2, 3])], anchors=[4]))
+    out = client.step(rows(["a"], [(10, [5])], anchors=[6]))
+    assert out.drafts[0].tolist() == [-1] * K and client.is_disabled("a")
+
+
+def test_rewind_restarts_context(server, client_factory):
+    client = client_factory(server.address)
+    client.step(rows(["a"], [(0, [1, 2, 3, 4])], anchors=[5]))
+    out = client.step(rows(["a"], [(0, [6, 7, 6])], anchors=[7]))   # preempted and recomputed
+    assert out.drafts[0].tolist() == expected_drafts([6, 7, 6], 7)
+
+
+def test_incompatible_k_fails_closed(server, client_factory, caplog):
+    client = client_factory(server.address, num_speculative_tokens=64)
+    assert client.state.value == "incompatible"
+    assert "does not fit" in caplog.text and "max_spec_tokens" in caplog.text
+    out = client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2], k=4))
+    assert out.drafts.tolist() == [[-1] * 4]
+
+
+def test_logits_required_but_unsupported_fails_closed(server, client_factory):
+    client = client_factory(server.address, logits="full")
+    assert client.state.value == "incompatible"
+
+
+def test_bad_step_input_raises_typed_error(server, client_factory):
+    client = client_factory(server.address)
+    inp = rows(["a"], [(0, [1, 2])])
+    inp.counts = [3]
+    with pytest.raises(StepInputError):
+        client.step(inp)
+    with pytest.raises(StepInputError):
+        client.step(rows(["a", "a"], [(0, [1]), (0, [2])]))
+    with pytest.raises(StepInputError):
+        client.step(rows(["a"], [(0, [1, 2])], k=17))
+
+
+def test_server_unreachable_at_start_then_appears(client_factory):
+    srv = DraftServer()
+    client = client_factory(srv.address, timeout_ms=300)
+    assert client.state.value == "disconnected"
+    out = client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
+    assert out.drafts.tolist() == [[-1] * K]
+    srv.start()
+    try:
+        drafted = _draft_with_fresh_requests(client)
+        assert drafted is not None
+    finally:
+        srv.stop()
+
+
+def _draft_with_fresh_requests(client, attempts: int = 200):
+    """Step new requests until one gets drafts (the connection may take a few steps to come back)."""
+    for n in range(attempts):
+        out = client.step(rows([f"fresh-{n}"], [(0, [1, 2, 1])], anchors=[2]))
+        if out.drafts[0].tolist() == expected_drafts([1, 2, 1], 2):
+            return f"fresh-{n}"
+        time.sleep(0.02)
+    return None
+
+
+def test_timeout_disables_batch_and_recovers(server, client_factory):
+    client = client_factory(server.address, timeout_ms=300)
+    client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
+    server.pause()
+    try:
+        out = client.step(rows(["a"], [(3, [2])], anchors=[1]))
+    finally:
+        server.resume()
+    assert out.drafts.tolist() == [[-1] * K]
+    assert client.is_disabled("a")
+    assert client.stats()["counters"]["failures.transport"] >= 1
+    assert _draft_with_fresh_requests(client) is not None
+    assert client.is_disabled("a")                      # stays off until it leaves the batch
+    assert client.stats()["counters"].get("server_restarts", 0) == 0
+
+
+def test_server_restart_disables_everything_and_new_requests_draft(client_factory):
+    srv = DraftServer().start()
+    try:
+        client = client_factory(srv.address, timeout_ms=500)
+        client.step(rows(["a", "b"], [(0, [1, 2, 1]), (0, [3, 4, 3])], anchors=[2, 4]))
+        old_id = client.stats()["server_id"]
+        srv.kill()
+        srv = DraftServer(srv.port).start()
+        name = _draft_with_fresh_requests(client)
+        assert name is not None
+        out = client.step(rows(["a", "b", name], [(3, [2]), (3, [4]), (3, [2])], anchors=[1, 3, 1]))
+        assert out.drafts[0].tolist() == [-1] * K and out.drafts[1].tolist() == [-1] * K
+        assert out.drafts[2].tolist() == expected_drafts([1, 2, 1, 2], 1)
+        stats = client.stats()
+        assert stats["server_id"] != old_id and stats["counters"]["server_restarts"] == 1
+    finally:
+        srv.stop()
+
+
+def test_stats_snapshot_shape(server, client_factory):
+    client = client_factory(server.address, timing_log_interval=1)
+    client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
+    snap = client.stats()
+    assert snap["state"] == "ready" and snap["ring"]["pinned"] == torch.cuda.is_available()
+    assert {"stage", "d2h", "enqueue", "wait", "round_trip", "step"} <= set(snap["phases"])
+    assert snap["requests"]["tracked"] == 1
+
+
+def test_accepted_drafts_are_counted(server, client_factory):
+    client = client_factory(server.address)
+    inp = rows(["a"], [(0, [1, 2, 1])], anchors=[2])
+    inp.num_accepted = [3]
+    client.step(inp)
+    assert client.stats()["counters"]["accepted_drafts"] == 3
+
+
+def test_empty_step(server, client_factory):
+    client = client_factory(server.address)
+    out = client.step(StepInput([], [], torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
+                                [], [], [], k=K))
+    assert out.drafts.shape == (0, K)
