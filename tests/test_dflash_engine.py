@@ -2,7 +2,6 @@
 fork/truncate semantics, malformed checkpoints and bad rows."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -94,6 +93,15 @@ def test_tiny_checkpoint_loads(ckpt, engines):
     assert (caps.mask_token_id, caps.aux_layer_ids) == (511, (0, 2))
     assert engines["float32"].bytes_per_row == 2 * 2 * 2 * 32 * 4     # K+V, 2 layers, 2 kv heads
     assert engines["bfloat16"].bytes_per_row == 2 * 2 * 2 * 32 * 2
+    tok_path = target / "tokenizer.json"
+    if tok_path.exists():                                     # written when tokenizers imports
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(tok_path))
+        assert tok.get_vocab_size() == 512 and tok.token_to_id("<|mask|>") == 511
+        assert tok.token_to_id("<|endoftext|>") == 0
+        assert tok.decode(tok.encode("the quick brown fox").ids) == "the quick brown fox"
+    tcfg = json.loads((target / "config.json").read_text())
+    assert tcfg["architectures"] == ["Qwen3ForCausalLM"] and tcfg["head_dim"] == 32
     assert DFlashEngine(str(draft), str(target), max_spec_tokens=3).caps.max_spec_tokens == 3
     assert DFlashEngine(str(draft), str(target), max_spec_tokens=99).caps.max_spec_tokens == 7
 
@@ -274,6 +282,10 @@ def test_variants_match_reference_and_take_effect(ckpt, tmp_path):
         lw.v_proj = lw.v_proj * 0.5
     _, ref_logits = reference_propose(w, rows, torch.arange(15), 9, 7)
     torch.testing.assert_close(vs_prop.logits[0], ref_logits, atol=1e-4, rtol=1e-4)
+
+    knorm = DFlashEngine(str(_variant(tmp_path, target, "knorm", distinct_k_norm=True)), str(target))
+    assert not torch.equal(knorm.weights.layers[0].k_norm, knorm.weights.layers[1].k_norm)
+    assert not torch.allclose(run(knorm).logits, base.logits)
 
     small = DFlashEngine(str(_variant(tmp_path, target, "d2t", draft_vocab_size=200)), str(target))
     prop = run(small)

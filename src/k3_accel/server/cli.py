@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-model", metavar="DIR",
                     help="target checkpoint; only embed_tokens and lm_head are read (dflash)")
     ap.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="draft compute dtype")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind; non-loopback needs CURVE keys")
     ap.add_argument("--port", type=_port, default=5557, help="ZMQ port (0 = any free port)")

@@ -50,6 +50,8 @@ class DFlashEngine(DraftEngine):
     def __init__(self, draft_dir: str, target_dir: str, device: str = "cpu",
                  dtype: str = "float32", max_spec_tokens: int | None = None,
                  block_size: int = 16):
+        if max_spec_tokens is not None and max_spec_tokens < 0:
+            raise ValueError(f"max_spec_tokens must be >= 0, got {max_spec_tokens}")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} not supported; use one of {sorted(_DTYPES)}")
         self.dtype = _DTYPES[dtype]
