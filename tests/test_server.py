@@ -326,3 +326,58 @@ def test_signal_stops_cleanly_and_answers_queued_messages(sig):
     server.proc.send_signal(sig)
     assert server.proc.wait(15) == 0
     w.close()
+
+
+def test_dflash_server_drafts_match_a_from_scratch_recomputation(tmp_path):
+    """Chunked ingest, propose, a rejection (rewind), propose again — over real sockets."""
+    from k3_accel.server.engines.dflash import load_dflash
+    from k3_accel.server.engines.dflash.model import reference_propose
+    from k3_accel.testing.tiny import write_tiny_dflash, write_tiny_target
+    target = write_tiny_target(tmp_path / "t")
+    draft = write_tiny_dflash(tmp_path / "d", target)
+    weights = load_dflash(draft, target)
+    server = ServerProcess("--engine", "dflash", "--draft-model", str(draft), "--target-model", str(target))
+    w = Wire(server.address)
+    try:
+        width = p.caps_from_body(w.call(p.Hello()).raise_for_error().body["caps"]).context_width
+        ctx = rows((0, list(range(10, 30))), width=width, seed=3)
+        for lo, hi in ((0, 7), (7, 20)):             # two ingest chunks
+            chunk = {name: t[lo:hi] for name, t in ctx.items()}
+            assert results(w.call(Ingest([RowSpan("r", hi - lo)]), chunk))["r"]["ok"]
+        got = propose(w, [ProposeItem("r", 0, anchor_token=42, anchor_position=20)], k=5).tensors["drafts"][0]
+        want, _ = reference_propose(weights, ctx["hidden"], ctx["positions"], 42, 5)
+        assert torch.equal(got, want)
+        # the target rejected from position 16 on: new rows replace 16.., then propose
+        new = rows((16, [7, 8, 9]), width=width, seed=4)
+        reply = propose(w, [ProposeItem("r", 3, anchor_token=5, anchor_position=19)], k=5, tensors=new)
+        accepted_h = torch.cat([ctx["hidden"][:16], new["hidden"]])
+        want, _ = reference_propose(weights, accepted_h, torch.arange(19), 5, 5)
+        assert torch.equal(reply.tensors["drafts"][0], want)
+    finally:
+        w.close()
+        assert server.stop() == 0
+
+
+def test_installed_console_script_answers_readyz():
+    """`k3-draft-server --engine ngram` from the install (the console script, not -m)."""
+    import os
+    import time
+    from pathlib import Path
+    from conftest import free_port
+    script = Path(sys.executable).parent / "k3-draft-server"
+    assert script.exists(), "k3-accel is not installed in this environment"
+    port, http_port = free_port(), free_port()
+    proc = subprocess.Popen([str(script), "--engine", "ngram", "--port", str(port), "--http-port", str(http_port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    try:
+        deadline = time.time() + 60
+        status = None
+        while time.time() < deadline and status != 200:
+            try:
+                status = http_get(http_port, "/readyz")[0]
+            except OSError:
+                time.sleep(0.2)
+        assert status == 200
+    finally:
+        proc.terminate()
+        assert proc.wait(15) == 0
