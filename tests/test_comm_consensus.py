@@ -246,19 +246,28 @@ def _auto_router(rank, world, winning, cache_dir):
     closed = [inst.closed for inst in instances]
     res = (router.backend_name, router.dma_min_bytes, router.decision.reason, closed)
     router.close()
+    # a second start on the same host: the cached decision is used
+    again = build_router(
+        group=group, device=torch.device("cpu"), threshold=DmaThreshold.auto(), max_bytes=8 * MiB,
+        fallback=lambda t: t, hooks=hooks,
+    )
+    res += (again.dma_min_bytes, again.decision.crossover.source, len(LoopbackDmaRuntime.instances))
+    again.close()
     return res
 
 
 def test_auto_without_a_winning_size_releases_the_ring(tmp_path):
     out = run_ranks(_auto_router, 2, False, str(tmp_path))
-    for backend, min_bytes, reason, closed in out:
+    for backend, min_bytes, reason, closed, min2, source2, rings in out:
         assert backend == "NCCL" and min_bytes is None
         assert reason.startswith("auto (measured)") and "never wins" in reason
         assert closed == [True]
+        assert min2 is None and source2 == "cache" and rings == 1   # no second ring allocated
 
 
 def test_auto_with_a_winning_size_keeps_the_ring(tmp_path):
     out = run_ranks(_auto_router, 2, True, str(tmp_path))
-    for backend, min_bytes, reason, closed in out:
+    for backend, min_bytes, reason, closed, min2, source2, rings in out:
         assert backend == "B12X_DMA" and min_bytes == 2 * MiB and closed == [False]
         assert "wins from 2 MiB" in reason
+        assert min2 == 2 * MiB and source2 == "cache" and rings == 2

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 import k3_accel.comm.dma as dma_mod

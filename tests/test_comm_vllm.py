@@ -19,7 +19,8 @@ from test_comm_harness import run_ranks  # noqa: E402
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
-ENV = {"VLLM_TARGET_DEVICE": "cpu"}
+# No GPU here: PyNCCL stays off (the CUDA wheel would otherwise try to start NCCL).
+ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_DISABLE_PYNCCL": "1"}
 MiB = 1 << 20
 
 
@@ -250,3 +251,49 @@ def test_custom_op_goes_through_the_router():
     for is_k3, small, big, ring_calls, new_small, new_big in run_ranks(_op, 2, env=ENV):
         assert is_k3 and small == 3.0 and big == 3.0 and ring_calls == 1
         assert new_small and new_big                       # out-of-place
+
+
+def test_install_is_cheap_and_defers_the_class():
+    """register() runs in the API server too: install must not import cuda_communicator."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "import k3_accel.vllm.communicator as c, k3_accel.vllm.custom_op as o\n"
+        "c.install(); o.install(); c.install()\n"
+        "mod = 'vllm.distributed.device_communicators.cuda_communicator'\n"
+        "print('LOADED' if mod in sys.modules else 'DEFERRED')\n"
+        "print('SUB' if issubclass(c.K3CudaCommunicator, sys.modules[mod].CudaCommunicator) else 'NOT')\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, **ENV, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split()
+    assert lines[-2:] == ["DEFERRED", "SUB"]
+
+
+def test_sizing_from_a_vllm_shaped_config():
+    from types import SimpleNamespace as NS
+
+    from k3_accel.vllm.communicator import sizing_from_vllm_config
+
+    model = NS(get_hidden_size=lambda: 7168, dtype=torch.bfloat16)
+    draft = NS(get_hidden_size=lambda: 8192)
+    cfg = NS(
+        model_config=model,
+        speculative_config=NS(draft_model_config=draft),
+        scheduler_config=NS(max_num_batched_tokens=8192),
+        compilation_config=NS(cudagraph_capture_sizes=[1, 2, 512], cudagraph_mode=NS(name="PIECEWISE")),
+        parallel_config=NS(use_ubatching=False),
+    )
+    s = sizing_from_vllm_config(cfg)
+    assert s.max_bytes == 8192 * 8192 * 4            # largest hidden, fp32 counts
+    assert s.capture_sizes == ((7168, torch.bfloat16), (2 * 7168, torch.bfloat16), (512 * 7168, torch.bfloat16))
+    cfg.compilation_config.cudagraph_mode = NS(name="NONE")
+    assert sizing_from_vllm_config(cfg).capture_sizes == ()
+    cfg.parallel_config.use_ubatching = True
+    assert sizing_from_vllm_config(cfg).max_bytes is None
+    assert sizing_from_vllm_config(None).max_bytes is None

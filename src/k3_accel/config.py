@@ -68,6 +68,7 @@ class K3Config:
     capture_dir: str | None = None
     timing_log_interval: int = 0              # 0 = no periodic timing log
     dma_min_bytes: DmaThreshold = dataclasses.field(default_factory=lambda: parse_dma_min_bytes(None))
+    dma_cache_dir: str | None = None          # measured DMA crossovers (default ~/.cache/k3_accel)
     curve_server_key: str | None = None       # server public key file (client side)
     curve_client_key: str | None = None       # client certificate (secret) file
 
@@ -88,6 +89,7 @@ _SETTINGS = (
     _Setting("timing_log_interval", "VLLM_K3_DRAFT_TIMING_LOG_INTERVAL",
              lambda key: _positive_int(key, allow_zero=True)),
     _Setting("dma_min_bytes", "VLLM_PCIE_DMA_MIN_BYTES", _dma),
+    _Setting("dma_cache_dir", "K3_ACCEL_CACHE_DIR", _optional_str),
     _Setting("curve_server_key", "VLLM_K3_DRAFT_CURVE_SERVER_KEY", _optional_str),
     _Setting("curve_client_key", "VLLM_K3_DRAFT_CURVE_CLIENT_KEY", _optional_str),
 )

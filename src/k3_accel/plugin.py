@@ -19,6 +19,8 @@ log = logging.getLogger("k3_accel")
 HOOKS: tuple[tuple[str, str], ...] = (
     ("communicator", "k3_accel.vllm.communicator"),
     ("custom_op", "k3_accel.vllm.custom_op"),
+    ("speculator_v2", "k3_accel.vllm.speculator_v2"),
+    ("proposer_v1", "k3_accel.vllm.proposer_v1"),
 )
 
 _installed: dict[str, bool] | None = None
@@ -36,8 +38,8 @@ def register() -> dict[str, bool]:
 
 def _install(name: str, module: str) -> bool:
     try:
-        importlib.import_module(module).install()
-        return True
+        # install() may return False: not applicable here (e.g. not a CUDA platform)
+        return importlib.import_module(module).install() is not False
     except MissingSymbol as exc:
         log.warning("k3-accel: hook %s off: vLLM %s lacks %s", name, vllm_version(), exc.symbol)
     except Exception:  # a hook must never take vLLM down

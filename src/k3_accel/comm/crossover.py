@@ -11,7 +11,7 @@ every rank derives the same decision from the same table:
 
 Between ladder points the next backend keeps the sizes below S, so the rule
 errs towards stock behaviour. A decision is cached per topology / world size /
-versions (``~/.cache/k3_accel/``, or ``$K3_ACCEL_CACHE_DIR``); the first rank
+versions (``~/.cache/k3_accel/``, or the config's ``dma_cache_dir``); the first rank
 loads it and broadcasts it, so all ranks agree even when their file systems
 differ.
 
@@ -150,11 +150,8 @@ def merge_across_ranks(group, samples: Sequence[Sample]) -> Tuple[Sample, ...]:
 
 # --------------------------------------------------------------------------- cache
 def default_cache_dir() -> Path:
-    env = os.environ.get("K3_ACCEL_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "k3_accel"
+    """``~/.cache/k3_accel`` (``dma_cache_dir`` / ``K3_ACCEL_CACHE_DIR`` override it via config)."""
+    return Path.home() / ".cache" / "k3_accel"
 
 
 def cache_key(fields: Mapping) -> str:
@@ -225,6 +222,35 @@ def environment_fields(world_size: int, topology: object, **extra) -> dict:
 
 
 # --------------------------------------------------------------------------- run
+def _key_fields(fields: Optional[Mapping], sizes: Sequence[int], margin: float) -> dict:
+    out = dict(fields or {})
+    out.update({"ladder": list(sizes), "margin": margin})
+    return out
+
+
+def load_agreed(
+    group,
+    sizes: Sequence[int],
+    *,
+    margin: float = DEFAULT_MARGIN,
+    cache: Optional[CrossoverCache] = None,
+    fields: Optional[Mapping] = None,
+) -> Optional[CrossoverDecision]:
+    """Collective: the first rank's cached decision for these fields, on every rank (or None)."""
+    if cache is None:
+        return None
+    full = _key_fields(fields, sizes, margin)
+    key = cache_key(full)
+    first = group is None or dist.get_rank(group) == 0
+    cached = cache.load(key) if first else None
+    if group is not None:
+        payload = broadcast_from_first(group, None if cached is None else cached.to_json())
+        cached = None if payload is None else CrossoverDecision.from_json(payload)
+    if cached is None:
+        return None
+    return CrossoverDecision(cached.min_bytes, cached.reason, cached.samples, "cache", key)
+
+
 def run_auto(
     group,
     measure: Measure,
@@ -233,26 +259,24 @@ def run_auto(
     margin: float = DEFAULT_MARGIN,
     cache: Optional[CrossoverCache] = None,
     fields: Optional[Mapping] = None,
+    use_cache: bool = True,
 ) -> CrossoverDecision:
     """Collective over ``group`` (gloo): cached decision, or measure → merge → decide → store."""
-    fields = dict(fields or {})
-    fields.update({"ladder": list(sizes), "margin": margin})
-    key = cache_key(fields)
-    first = group is None or dist.get_rank(group) == 0
-    cached = cache.load(key) if (cache is not None and first) else None
-    if group is not None:
-        cached = broadcast_from_first(group, None if cached is None else cached.to_json())
-        cached = None if cached is None else CrossoverDecision.from_json(cached)
-    if cached is not None:
-        return CrossoverDecision(cached.min_bytes, cached.reason, cached.samples, "cache", key)
+    full = _key_fields(fields, sizes, margin)
+    key = cache_key(full)
+    if use_cache:
+        cached = load_agreed(group, sizes, margin=margin, cache=cache, fields=fields)
+        if cached is not None:
+            return cached
     if not sizes:
         return CrossoverDecision(None, "no ladder size fits the ring", (), "measured", key)
     local = [Sample(n, *measure(n)) for n in sizes]
     merged = merge_across_ranks(group, local)
     min_bytes, reason = select_crossover(merged, margin=margin)
     decision = CrossoverDecision(min_bytes, reason, merged, "measured", key)
+    first = group is None or dist.get_rank(group) == 0
     if cache is not None and first:
-        cache.store(key, decision, fields)
+        cache.store(key, decision, full)
     return decision
 
 
@@ -290,7 +314,6 @@ def make_event_measure(
         torch.cuda.synchronize(device)
         t_next = _median_event_time(lambda: next_fn(x), iters=iters)
         t_dma = _median_event_time(lambda: dma_fn(x), iters=iters)
-        del x
         return t_next, t_dma
 
     return measure
@@ -299,5 +322,5 @@ def make_event_measure(
 __all__ = [
     "CrossoverCache", "CrossoverDecision", "DEFAULT_LADDER", "DEFAULT_MARGIN", "Sample",
     "cache_key", "default_cache_dir", "environment_fields", "ladder_sizes",
-    "make_event_measure", "merge_across_ranks", "run_auto", "select_crossover",
+    "load_agreed", "make_event_measure", "merge_across_ranks", "run_auto", "select_crossover",
 ]

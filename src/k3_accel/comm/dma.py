@@ -19,6 +19,7 @@ reports it.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Callable, Iterable, Optional, Tuple
 
@@ -44,8 +45,7 @@ def b12x_runtime_class():
 
 def b12x_planner(runtime: object, numel: int, dtype: torch.dtype) -> object:
     """Declare b12x's plan for a 1-D tensor of ``numel`` elements."""
-    from b12x.comm.pcie import _dma_preparation as prep
-
+    prep = importlib.import_module("b12x.comm.pcie._dma_preparation")
     query = prep.query_from_metadata(runtime, shape=(int(numel),), dtype=dtype)
     return prep.plan(query, runtime=runtime)
 

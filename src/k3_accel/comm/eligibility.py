@@ -84,7 +84,7 @@ def decide_capability(report: Optional[bool], probe: Optional["ProbeResult"]) ->
 class ProbeResult:
     ok: bool
     reason: str
-    signature: tuple = ()  # (host count, per-rank device names, pairwise access) for cache keys
+    signature: tuple = ()  # (node count, per-rank device names): identical on every rank
 
 
 def _boot_id() -> str:
@@ -148,7 +148,6 @@ def probe_all_peer(
     infos: list = [None] * world
     dist.all_gather_object(infos, info, group=group)
     rank = dist.get_rank(group)
-    access_row: tuple = ()
     if local_error is None:
         if any(item is None for item in infos):
             local_error = "a peer could not identify its GPU"
@@ -160,19 +159,14 @@ def probe_all_peer(
                 mine = visible.get(infos[rank][1])
                 if mine is None:
                     raise RuntimeError("own GPU is not among the visible devices")
-                row = []
                 for peer, item in enumerate(infos):
                     if peer == rank:
-                        row.append(True)
                         continue
                     other = visible.get(item[1])
                     if other is None:
                         raise RuntimeError(f"GPU of rank {peer} is not visible from rank {rank}")
-                    ok = bool(can_access(mine, other))
-                    row.append(ok)
-                    if not ok:
+                    if not can_access(mine, other):
                         raise RuntimeError(f"no peer access from rank {rank} to rank {peer}")
-                access_row = tuple(row)
             except Exception as exc:  # noqa: BLE001
                 local_error = describe_error(exc)
     reason = agree(group, local_error)
@@ -182,7 +176,7 @@ def probe_all_peer(
     return ProbeResult(
         True,
         f"one node, peer access between all {world} ranks",
-        signature=(1, names, access_row),
+        signature=(1, names),
     )
 
 

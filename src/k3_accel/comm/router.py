@@ -8,11 +8,13 @@ start-up that decides whether the ring runs at all and from which size:
 2. World size must be one b12x supports; ``max_bytes`` must be known.
 3. Capability, fail closed (:mod:`.eligibility`): the one-shot runtime's explicit
    all-peer report, else the plugin's own P2P probe agreed by all ranks.
-4. The ring is built on every rank or on none (:mod:`.consensus`).
-5. ``auto`` → crossover measured (or loaded from cache) and agreed
-   (:mod:`.crossover`); no winning size → the ring is closed (collectively)
-   and its memory released.
-6. Sizes that will be graph-captured are prepared before capture.
+4. ``auto`` with a cached decision for this topology/world size/versions that
+   says "never" → done, the ring is not even allocated.
+5. The ring is built on every rank or on none (:mod:`.consensus`).
+6. ``auto`` without a cached decision → crossover measured, merged across
+   ranks and cached (:mod:`.crossover`); no winning size → the ring is closed
+   (collectively) and its memory released.
+7. Sizes that will be graph-captured are prepared before capture.
 
 Every failure keeps the next backend and carries its reason into the one
 log line reported at start (:attr:`RouterDecision.summary`).
@@ -33,6 +35,7 @@ from .crossover import (
     CrossoverDecision,
     environment_fields,
     ladder_sizes,
+    load_agreed,
     make_event_measure,
     run_auto,
 )
@@ -232,7 +235,30 @@ def build_router(
     if not capability.capable:
         return keep_next(capability.reason)
 
-    # 4. build the ring on every rank or none
+    # 4. auto: a cached decision for this topology/world size/versions, agreed by all ranks
+    crossover: Optional[CrossoverDecision] = None
+    sizes: Tuple[int, ...] = ()
+    fields: dict = {}
+    if threshold.is_auto:
+        error: Optional[str] = None
+        try:
+            itemsize = _itemsize(measure_dtype)
+            sizes = ladder_sizes(max_bytes, world, itemsize)
+            topology = probe_result.signature if probe_result is not None else ("runtime-report",)
+            fields = environment_fields(
+                world, topology, dtype=str(measure_dtype), next=next_name, **(cache_fields or {})
+            )
+        except Exception as exc:  # noqa: BLE001
+            error = describe_error(exc)
+        failure = agree(group, error)
+        if failure is not None:
+            return keep_next(f"auto crossover set-up failed ({failure})")
+        crossover = load_agreed(group, sizes, margin=hooks.margin, cache=hooks.cache, fields=fields)
+        if crossover is not None and crossover.min_bytes is None:
+            # the ring never won here: do not even allocate it
+            return keep_next(f"auto ({crossover.source}): {crossover.reason}", crossover)
+
+    # 5. build the ring on every rank or none
     created = create_on_all_ranks(
         group,
         lambda: DmaBackend.create(
@@ -246,31 +272,28 @@ def build_router(
         abandon=lambda backend: backend.abandon(),
     )
     if not created.ok:
-        return keep_next(f"DMA ring initialisation failed ({created.reason})")
+        return keep_next(f"DMA ring initialisation failed ({created.reason})", crossover)
     dma: DmaBackend = created.value  # type: ignore[assignment]
 
-    # 5. threshold: fixed or measured
-    crossover: Optional[CrossoverDecision] = None
+    # 6. threshold: fixed, cached, or measured now
     if threshold.is_auto:
-        error: Optional[str] = None
-        try:
-            itemsize = torch.empty(0, dtype=measure_dtype).element_size()
-            sizes = ladder_sizes(max_bytes, world, itemsize)
-            factory = hooks.measure_factory or _default_measure_factory
-            measure = factory(dma, fallback, device, measure_dtype)
-            topology = probe_result.signature if probe_result is not None else ("runtime-report",)
-            fields = environment_fields(
-                world, topology, dtype=str(measure_dtype), next=next_name, **(cache_fields or {})
-            )
-            crossover = run_auto(
-                group, measure, sizes, margin=hooks.margin, cache=hooks.cache, fields=fields
-            )
-        except Exception as exc:  # noqa: BLE001
-            error = describe_error(exc)
-        failure = agree(group, error)
-        if failure is not None:
-            dma.close()
-            return keep_next(f"auto crossover measurement failed ({failure})")
+        if crossover is None:
+            error = None
+            try:
+                factory = hooks.measure_factory or _default_measure_factory
+                measure = factory(dma, fallback, device, measure_dtype)
+                crossover = run_auto(
+                    group, measure, sizes, margin=hooks.margin, cache=hooks.cache, fields=fields,
+                    use_cache=False,
+                )
+            except Exception as exc:  # noqa: BLE001
+                error = describe_error(exc)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the measurement's buffers back before vLLM profiles memory
+            failure = agree(group, error)
+            if failure is not None:
+                dma.close()
+                return keep_next(f"auto crossover measurement failed ({failure})")
         assert crossover is not None
         if crossover.min_bytes is None:
             dma.close()
@@ -281,7 +304,7 @@ def build_router(
         dma.min_bytes = int(threshold.min_bytes or 0)
         reason = f"fixed threshold; {capability.reason}"
 
-    # 6. capture sizes
+    # 7. capture sizes
     router = AllReduceRouter(fallback=fallback, oneshot=oneshot, dma=dma, next_name=next_name)
     prepared = 0
     error = None

@@ -12,19 +12,26 @@ to the ring goes to the stock ``CudaCommunicator.all_reduce``.
 
 Settings come from ``k3_accel.config.load_config(additional_config)`` →
 ``K3Config.dma_min_bytes`` (a :class:`~k3_accel.comm.threshold.DmaThreshold`).
+
+Importing this module is cheap: the class itself is built on first attribute
+access (``resolve_obj_by_qualname`` in a worker), because that imports vLLM's
+``cuda_communicator`` (~1 s), which the API-server process never needs.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
-import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, ClassVar, List, Optional, Tuple
 
 import torch
 
 from k3_accel.comm.oneshot import OneShotBackend
 from k3_accel.comm.router import AllReduceRouter, RouterDecision, RouterHooks, build_router
-from k3_accel.comm.threshold import ENV_VAR, DmaThreshold, parse_dma_min_bytes
+from k3_accel.comm.crossover import CrossoverCache
+from k3_accel.comm.threshold import DmaThreshold
+from k3_accel.config import K3Config, load_config
 from k3_accel.vllm.compat import MissingSymbol, require
 
 _CUDA_COMM_MODULE = "vllm.distributed.device_communicators.cuda_communicator"
@@ -33,8 +40,6 @@ QUALNAME = "k3_accel.vllm.communicator.K3CudaCommunicator"
 
 # A child of vLLM's logger, so vLLM's handler prints it.
 log = logging.getLogger("vllm.k3_accel.communicator")
-
-CudaCommunicator = require(_CUDA_COMM_MODULE, "CudaCommunicator")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,9 @@ def sizing_from_vllm_config(vllm_config) -> Sizing:
     """
     if vllm_config is None or getattr(vllm_config, "model_config", None) is None:
         return Sizing(None, note="no vLLM model config at communicator construction")
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if bool(getattr(parallel, "use_ubatching", False)):
+        return Sizing(None, note="micro-batching (DBO) reduces on two streams; the ring has one channel")
     model = vllm_config.model_config
     hidden = int(model.get_hidden_size())
     hiddens = [hidden]
@@ -77,16 +85,16 @@ def sizing_from_vllm_config(vllm_config) -> Sizing:
     return Sizing(max_bytes, tuple(captures), dtype)
 
 
-def load_threshold(vllm_config) -> DmaThreshold:
-    """The DMA threshold from the plugin's config (``additional_config`` + env)."""
+def load_settings(vllm_config) -> K3Config:
+    """The plugin's config (``additional_config`` + env) for this engine."""
     additional = getattr(vllm_config, "additional_config", None) if vllm_config is not None else None
-    if not isinstance(additional, dict):
-        additional = None
-    try:
-        from k3_accel.config import load_config
-    except ImportError:  # the plugin's config module is absent: read the variable directly
-        return parse_dma_min_bytes(os.environ.get(ENV_VAR))
-    return load_config(additional).dma_min_bytes
+    return load_config(additional if isinstance(additional, dict) else None)
+
+
+def _hooks(overrides: "Overrides", cfg: K3Config) -> Optional[RouterHooks]:
+    if overrides.hooks is not None or cfg.dma_cache_dir is None:
+        return overrides.hooks
+    return RouterHooks(cache=CrossoverCache(Path(cfg.dma_cache_dir)))
 
 
 def _current_vllm_config():
@@ -106,120 +114,142 @@ class Overrides:
     threshold: Optional[DmaThreshold] = None
 
 
-class K3CudaCommunicator(CudaCommunicator):  # type: ignore[misc, valid-type]
-    """``CudaCommunicator`` whose TP all-reduce goes through the k3-accel router."""
+def _define() -> type:
+    """Build the subclass. Importing vLLM's ``cuda_communicator`` costs ~1 s, so it is
+    deferred until a process resolves the class (workers do; the API server never does)."""
+    CudaCommunicator = require(_CUDA_COMM_MODULE, "CudaCommunicator")
 
-    overrides: ClassVar[Optional[Overrides]] = None
+    class K3CudaCommunicator(CudaCommunicator):  # type: ignore[misc, valid-type]
+        """``CudaCommunicator`` whose TP all-reduce goes through the k3-accel router."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.k3_router: Optional[AllReduceRouter] = None
-        self.k3_decision: Optional[RouterDecision] = None
-        if (
-            self.world_size > 1
-            and self.unique_name.split(":")[0] == "tp"
-            and isinstance(self.cpu_group, torch.distributed.ProcessGroup)
-        ):
-            self._k3_setup()
+        overrides: ClassVar[Optional[Overrides]] = None
 
-    # ------------------------------------------------------------- set-up
-    def _k3_stock_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        return CudaCommunicator.all_reduce(self, t)
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.k3_router: Optional[AllReduceRouter] = None
+            self.k3_decision: Optional[RouterDecision] = None
+            if (
+                self.world_size > 1
+                and self.unique_name.split(":")[0] == "tp"
+                and isinstance(self.cpu_group, torch.distributed.ProcessGroup)
+            ):
+                self._k3_setup()
 
-    def _k3_setup(self) -> None:
-        overrides = type(self).overrides or Overrides()
-        vllm_config = _current_vllm_config()
-        threshold = overrides.threshold or load_threshold(vllm_config)
-        sizing = overrides.sizing or sizing_from_vllm_config(vllm_config)
-        oneshot = OneShotBackend.from_vllm(
-            getattr(self, "fi_pcie_ipc_ar_comm", None), run=self._k3_stock_all_reduce
-        )
-        from k3_accel.vllm.compat import vllm_version
+        # ------------------------------------------------------------- set-up
+        def _k3_stock_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+            return CudaCommunicator.all_reduce(self, t)
 
-        router = build_router(
-            group=self.cpu_group,
-            device=self.device,
-            threshold=threshold,
-            max_bytes=sizing.max_bytes,
-            fallback=self._k3_stock_all_reduce,
-            oneshot=oneshot,
-            next_name="VLLM_STOCK",
-            capture_sizes=sizing.capture_sizes,
-            measure_dtype=sizing.model_dtype,
-            exchange_group=self.cpu_group,
-            hooks=overrides.hooks,
-            cache_fields={"vllm": vllm_version()},
-        )
-        decision = router.decision
-        if sizing.note and decision is not None and router.dma is None:
-            decision = RouterDecision(
-                decision.backend, None, f"{decision.reason} ({sizing.note})", decision.threshold,
-                decision.max_bytes, 0, decision.crossover,
+        def _k3_setup(self) -> None:
+            overrides = type(self).overrides or Overrides()
+            vllm_config = _current_vllm_config()
+            cfg = load_settings(vllm_config)
+            threshold = overrides.threshold or cfg.dma_min_bytes
+            sizing = overrides.sizing or sizing_from_vllm_config(vllm_config)
+            oneshot = OneShotBackend.from_vllm(
+                getattr(self, "fi_pcie_ipc_ar_comm", None), run=self._k3_stock_all_reduce
             )
-        self.k3_decision = decision
-        # Without the ring the router adds nothing over stock: drop it (one branch per call).
-        self.k3_router = router if router.dma is not None else None
-        if int(getattr(self, "rank_in_group", 0)) == 0 and decision is not None:
-            log.info("k3-accel TP group %s: %s", self.unique_name, decision.summary)
+            from k3_accel.vllm.compat import vllm_version
 
-    # ------------------------------------------------------------ hot path
-    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        router = self.k3_router
-        if router is None:
-            return CudaCommunicator.all_reduce(self, input_)
-        return router.all_reduce(input_)
+            router = build_router(
+                group=self.cpu_group,
+                device=self.device,
+                threshold=threshold,
+                max_bytes=sizing.max_bytes,
+                fallback=self._k3_stock_all_reduce,
+                oneshot=oneshot,
+                next_name="VLLM_STOCK",
+                capture_sizes=sizing.capture_sizes,
+                measure_dtype=sizing.model_dtype,
+                exchange_group=self.cpu_group,
+                hooks=_hooks(overrides, cfg),
+                cache_fields={"vllm": vllm_version()},
+            )
+            decision = router.decision
+            if sizing.note and decision is not None and router.dma is None:
+                decision = RouterDecision(
+                    decision.backend, None, f"{decision.reason} ({sizing.note})", decision.threshold,
+                    decision.max_bytes, 0, decision.crossover,
+                )
+            self.k3_decision = decision
+            # Without the ring the router adds nothing over stock: drop it (one branch per call).
+            self.k3_router = router if router.dma is not None else None
+            if int(getattr(self, "rank_in_group", 0)) == 0 and decision is not None:
+                log.info("k3-accel TP group %s: %s", self.unique_name, decision.summary)
 
-    def all_reduce_in_place(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the group; **use the returned tensor**.
+        # ------------------------------------------------------------ hot path
+        def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+            router = self.k3_router
+            if router is None:
+                return CudaCommunicator.all_reduce(self, input_)
+            return router.all_reduce(input_)
 
-        The result is either ``tensor`` itself (reduced in place by NCCL) or a
-        new tensor (one-shot, DMA ring or another stock custom backend, all
-        out-of-place) — after the call the caller must treat ``tensor`` as
-        dead: its contents are unspecified when a new tensor is returned.
-        World size 1 returns ``tensor`` unchanged.
-        """
-        if self.world_size == 1:
-            return tensor
-        router = self.k3_router
-        if router is not None and router.choose(tensor) != "next":
-            return router.all_reduce(tensor)
-        if self._k3_stock_custom_accepts(tensor):
-            return CudaCommunicator.all_reduce(self, tensor)
-        pynccl = getattr(self, "pynccl_comm", None)
-        if pynccl is not None and not getattr(pynccl, "disabled", True):
-            if pynccl.all_reduce(tensor, out_tensor=tensor) is not None:
+        def all_reduce_in_place(self, tensor: torch.Tensor) -> torch.Tensor:
+            """Sum ``tensor`` over the group; **use the returned tensor**.
+
+            The result is either ``tensor`` itself (reduced in place by NCCL) or a
+            new tensor (one-shot, DMA ring or another stock custom backend, all
+            out-of-place) — after the call the caller must treat ``tensor`` as
+            dead: its contents are unspecified when a new tensor is returned.
+            World size 1 returns ``tensor`` unchanged.
+            """
+            if self.world_size == 1:
                 return tensor
-        torch.distributed.all_reduce(tensor, group=self.device_group)
-        return tensor
+            router = self.k3_router
+            if router is not None and router.choose(tensor) != "next":
+                return router.all_reduce(tensor)
+            if self._k3_stock_custom_accepts(tensor):
+                return CudaCommunicator.all_reduce(self, tensor)
+            pynccl = getattr(self, "pynccl_comm", None)
+            if pynccl is not None and not getattr(pynccl, "disabled", True):
+                if pynccl.all_reduce(tensor, out_tensor=tensor) is not None:
+                    return tensor
+            torch.distributed.all_reduce(tensor, group=self.device_group)
+            return tensor
 
-    def _k3_stock_custom_accepts(self, t: torch.Tensor) -> bool:
-        """Would stock vLLM use one of its out-of-place custom backends for ``t``?"""
-        checks: List[Tuple[str, str]] = [
-            ("qr_comm", "should_quick_allreduce"),
-            ("fi_pcie_ipc_ar_comm", "should_use"),
-            ("fi_ar_comm", "should_use_fi_ar"),
-            ("aiter_ar_comm", "should_custom_ar"),
-            ("ca_comm", "should_custom_ar"),
-            ("symm_mem_comm", "should_use_symm_mem"),
-        ]
-        for attr, method in checks:
-            backend = getattr(self, attr, None)
-            if backend is None or getattr(backend, "disabled", False):
-                continue
-            if attr == "aiter_ar_comm" and not getattr(self, "use_aiter_allreduce", False):
-                continue
-            check: Optional[Callable] = getattr(backend, method, None)
-            if check is not None and check(t):
-                return True
-        return False
+        def _k3_stock_custom_accepts(self, t: torch.Tensor) -> bool:
+            """Would stock vLLM use one of its out-of-place custom backends for ``t``?"""
+            checks: List[Tuple[str, str]] = [
+                ("qr_comm", "should_quick_allreduce"),
+                ("fi_pcie_ipc_ar_comm", "should_use"),
+                ("fi_ar_comm", "should_use_fi_ar"),
+                ("aiter_ar_comm", "should_custom_ar"),
+                ("ca_comm", "should_custom_ar"),
+                ("symm_mem_comm", "should_use_symm_mem"),
+            ]
+            for attr, method in checks:
+                backend = getattr(self, attr, None)
+                if backend is None or getattr(backend, "disabled", False):
+                    continue
+                if attr == "aiter_ar_comm" and not getattr(self, "use_aiter_allreduce", False):
+                    continue
+                check: Optional[Callable] = getattr(backend, method, None)
+                if check is not None and check(t):
+                    return True
+            return False
 
-    # ------------------------------------------------------------ teardown
-    def destroy(self) -> None:
-        """Collective on the TP group: closes the ring on every rank, then stock teardown."""
-        router, self.k3_router = self.k3_router, None
-        if router is not None:
-            router.close()
-        super().destroy()
+        # ------------------------------------------------------------ teardown
+        def destroy(self) -> None:
+            """Collective on the TP group: closes the ring on every rank, then stock teardown."""
+            router, self.k3_router = self.k3_router, None
+            if router is not None:
+                router.close()
+            super().destroy()
+
+    K3CudaCommunicator.__qualname__ = "K3CudaCommunicator"
+    return K3CudaCommunicator
+
+
+_CLASS: Optional[type] = None
+
+
+def __getattr__(name: str):
+    """``K3CudaCommunicator`` is built on first access (PEP 562)."""
+    global _CLASS
+    if name == "K3CudaCommunicator":
+        if _CLASS is None:
+            _CLASS = _define()
+        return _CLASS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _patched_get_device_communicator_cls(cls) -> str:
@@ -258,6 +288,8 @@ def install(platform_cls: Optional[type] = None) -> bool:
     or another plugin owns the hook). Raises :class:`MissingSymbol` when the
     installed vLLM lacks what the override needs.
     """
+    if importlib.util.find_spec(_CUDA_COMM_MODULE) is None:
+        raise MissingSymbol(STOCK_QUALNAME)
     if platform_cls is None:
         platforms = require("vllm.platforms")
         current = getattr(platforms, "current_platform")
@@ -270,7 +302,8 @@ def install(platform_cls: Optional[type] = None) -> bool:
     return patch_platform(platform_cls)
 
 
+# ``K3CudaCommunicator`` is also public; it is built lazily by ``__getattr__``.
 __all__ = [
-    "K3CudaCommunicator", "Overrides", "QUALNAME", "STOCK_QUALNAME", "Sizing",
-    "install", "load_threshold", "patch_platform", "sizing_from_vllm_config",
+    "Overrides", "QUALNAME", "STOCK_QUALNAME", "Sizing",
+    "install", "load_settings", "patch_platform", "sizing_from_vllm_config",
 ]
