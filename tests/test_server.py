@@ -61,6 +61,8 @@ def test_ingest_then_propose_gives_prompt_lookup(wire):
                     tensors=rows((6, HISTORY[6:9])))
     assert results(reply)["a"]["ok"]
     assert reply.tensors["drafts"].tolist() == [[7, 8, 5, 6]]
+    timing = reply.body["timing"]
+    assert {"store", "engine", "handle"} <= set(timing) and timing["handle"] >= timing["engine"] > 0
     s = stats(wire)
     assert s["ingested_rows"] == 9 and s["ops"]["ingest"] == 1 and s["ops"]["propose"] == 1
     assert s["proposals"] == 1 and s["tokens_proposed"] == 4

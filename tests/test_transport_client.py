@@ -52,6 +52,13 @@ def test_mixed_step_splits_ingest_and_propose(server, client_factory):
     assert stats["proposals"] == 3 and stats["errors"] == {}
 
 
+def test_anchor_tensors_work_like_lists(server, client_factory):
+    client = client_factory(server.address)
+    inp = rows(["a"], [(0, [5, 6, 7, 5, 6])], anchors=[7])
+    inp.anchor_tokens, inp.anchor_positions = torch.tensor([7]), torch.tensor([5])
+    assert client.step(inp).drafts[0].tolist() == expected_drafts([5, 6, 7, 5, 6], 7)
+
+
 def test_k_zero_ships_context_only(server, client_factory):
     client = client_factory(server.address)
     out = client.step(rows(["a"], [(0, [1, 2, 3])], k=0))
@@ -70,7 +77,7 @@ def test_no_deferral_waits_for_ingest(server, client_factory):
 def test_per_request_error_disables_only_that_request(server, client_factory):
     client = client_factory(server.address)
     inp = rows(["a", "b"], [(0, [1, 2, 1, 2]), (0, [3, 4, 3, 4])], anchors=[1, 3])
-    inp.anchor_positions = [4, 9]          # b's anchor does not follow its context
+    inp.positions = torch.tensor([0, 1, 2, 3, 0, 1, 5, 3])   # b's positions are not contiguous
     out = client.step(inp)
     assert out.drafts[0].tolist() == expected_drafts([1, 2, 1, 2], 1)
     assert out.drafts[1].tolist() == [-1] * K
@@ -164,6 +171,14 @@ def test_incompatible_k_fails_closed(server, client_factory, caplog):
 def test_logits_required_but_unsupported_fails_closed(server, client_factory):
     client = client_factory(server.address, logits="full")
     assert client.state.value == "incompatible"
+
+
+def test_anchor_that_does_not_follow_the_rows_is_a_typed_error(server, client_factory):
+    client = client_factory(server.address)
+    inp = rows(["a"], [(0, [1, 2, 1, 2])], anchors=[1])
+    inp.anchor_positions = [9]
+    with pytest.raises(StepInputError, match="anchor_position"):
+        client.step(inp)
 
 
 def test_bad_step_input_raises_typed_error(server, client_factory):

@@ -34,10 +34,11 @@ def free_port() -> int:
 
 
 class DraftServer:
-    """``python -m k3_accel.server.cli --engine ngram`` on loopback, waited for via /readyz."""
+    """``python -m k3_accel.server.cli --engine ENGINE`` on loopback, waited for via /readyz."""
 
-    def __init__(self, port: int | None = None, *extra: str):
+    def __init__(self, port: int | None = None, *extra: str, engine: str = "ngram"):
         self.port = port or free_port()
+        self.engine = engine
         self.http_port = free_port()
         self.extra = extra
         self.proc: subprocess.Popen | None = None
@@ -48,7 +49,7 @@ class DraftServer:
 
     def start(self, timeout: float = 60.0) -> "DraftServer":
         env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        cmd = [sys.executable, "-m", "k3_accel.server.cli", "--engine", "ngram", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "k3_accel.server.cli", "--engine", self.engine, "--host", "127.0.0.1",
                "--port", str(self.port), "--http-port", str(self.http_port), "--log-level", "WARNING",
                *self.extra]
         self.proc = subprocess.Popen(cmd, env=env)

@@ -17,6 +17,7 @@ Context rows (ingest and propose) travel as three row-aligned tensors
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 import warnings
@@ -224,27 +225,41 @@ def _check(value: Any, hint: Any, path: str) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=None)
+def _schema(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """(name, type hint, required) per field of a message dataclass, computed once."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name],
+                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                 for f in dataclasses.fields(cls))
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
     """Build dataclass ``cls`` from a mapping, rejecting missing/extra/mistyped fields."""
     if not isinstance(data, Mapping):
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: expected a map")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    extra = sorted(map(str, set(data) - set(fields)))
-    if extra:
+    schema = _schema(cls)
+    if len(data) > len(schema) or any(k not in data for k, _, req in schema if req):
+        names = {name for name, _, _ in schema}
+        extra = sorted(map(str, set(data) - names))
+        if extra:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: unexpected field(s) {extra}")
+        missing = next(k for k, _, req in schema if req and k not in data)
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: missing field '{missing}'")
+    values = {name: _check(data[name], hint, f"{path}.{name}") for name, hint, _ in schema if name in data}
+    if len(values) != len(data):
+        extra = sorted(map(str, set(data) - set(values)))
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: unexpected field(s) {extra}")
-    values = {}
-    for name, f in fields.items():
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: missing field '{name}'")
-            continue
-        values[name] = _check(data[name], hints[name], f"{path}.{name}")
     return cls(**values)
 
 
-def to_body(obj: Any) -> dict:
-    return dataclasses.asdict(obj)
+def to_body(obj: Any) -> Any:
+    """A message as plain msgpack-able data (a cheap, shallow ``dataclasses.asdict``)."""
+    if dataclasses.is_dataclass(obj):
+        return {name: to_body(getattr(obj, name)) for name, _, _ in _schema(type(obj))}
+    if isinstance(obj, list):
+        return [to_body(v) for v in obj]
+    return obj
 
 
 def caps_from_body(body: Mapping[str, Any]) -> ServerCaps:

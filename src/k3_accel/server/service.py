@@ -35,6 +35,7 @@ class DraftService:
         self.metrics = metrics
         self.max_requests = max_requests
         self.server_id = new_server_id()
+        self._phases: dict[str, float] = {}   # seconds per phase of the message in hand
         self._handlers = {p.Hello: self._hello, p.Ingest: self._ingest, p.Propose: self._propose,
                           p.Free: self._free, p.Clear: self._clear, p.Reconnect: self._reconnect,
                           p.Stats: self._stats}
@@ -43,8 +44,10 @@ class DraftService:
     def handle(self, req: p.Request) -> Reply:
         """Run one request; every failure becomes a typed error reply."""
         started = time.perf_counter()
+        self._phases = {}
         try:
             body, tensors = self._handlers[type(req.msg)](req)
+            body["timing"] = {**self._phases, "handle": time.perf_counter() - started}
             reply = Reply(seq=req.seq, ok=True, server_id=self.server_id, body=body, tensors=tensors)
         except ProtocolError as exc:
             reply = p.error_reply(req.seq, self.server_id, exc.code, exc.message)
@@ -142,14 +145,18 @@ class DraftService:
     def _propose(self, req: p.Request):
         msg = req.msg
         self._check_propose(msg)
+        started = time.perf_counter()
         rows = self._split_rows(msg.requests, req.tensors)
         results = [self._store(item.id, r) for item, r in zip(msg.requests, rows)]
         results = [self._check_anchor(item, res) for item, res in zip(msg.requests, results)]
+        self._phases["store"] = time.perf_counter() - started
         ready = [i for i, r in enumerate(results) if r.ok]
         drafts = torch.full((len(msg.requests), msg.k), -1, dtype=torch.int64)
         tensors = {"drafts": drafts}
         if ready and msg.k > 0:
+            started = time.perf_counter()
             proposal = self._run_engine(msg, ready)
+            self._phases["engine"] = time.perf_counter() - started
             drafts[ready] = proposal.tokens
             tensors.update(self._logits_tensors(msg, ready, proposal.logits))
             self.metrics.proposed(len(ready), int((proposal.tokens >= 0).sum()))

@@ -35,7 +35,7 @@ class ClientSettings:
     backoff_initial_ms: int = 200             # first retry delay after a failed reconnect
     backoff_max_ms: int = 10000
     max_retained: int = 256                   # finished requests remembered as reconnect sources
-    zero_copy_min_bytes: int = 64 * 1024      # smaller frames are copied (cheaper than tracking)
+    zero_copy_min_bytes: int = 64 * 1024      # smaller frames are copied (cheaper than zero-copy)
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or not self.address.startswith(("tcp://", "ipc://", "inproc://")):
@@ -84,7 +84,9 @@ class StepInput:
     (device tensors, any device). ``sampled[i]``: the request sampled a token
     this step; ``anchor_tokens[i]`` / ``anchor_positions[i]``: the token at
     the position right after its context (just sampled, or the next prompt
-    token) and that position. ``k``: drafts wanted (0 = ship context only).
+    token) and that position, so the request's rows start at
+    ``anchor_positions[i] - counts[i]`` (checked; lists or tensors on any
+    device). ``k``: drafts wanted (0 = ship context only).
     ``prompt_token_ids``: for requests seen for the first time, their prompt
     (lets a prefix-cache hit reconnect to a retained request).
     ``num_accepted``: drafts the target accepted per request last step, if known.

@@ -71,17 +71,16 @@ def _prefix(header: dict[str, Any]) -> bytes:
 
 
 def _record_of(line: bytes) -> bytes | None:
-    """The record JSON on one index line (``{..},`` or ``{..}]}``), or None."""
-    for text in (line[:-1] if line.endswith(b",") else None,
-                 line[:-2] if line.endswith(b"]}") else None):
-        if text is None or not text.startswith(b"{"):
-            continue
-        try:
-            if isinstance(json.loads(text), dict):
-                return text
-        except ValueError:
-            pass
-    return None
+    """The complete record JSON at the start of an index line, or None.
+
+    A line is ``{..},`` or ``{..}]}``, or, after a torn append, a complete
+    record followed by debris; a cut-off record never parses as an object.
+    """
+    try:
+        value, end = json.JSONDecoder().raw_decode(line.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return line.decode("utf-8")[:end].encode("utf-8") if isinstance(value, dict) else None
 
 
 def recover_index(path: str | os.PathLike) -> int:

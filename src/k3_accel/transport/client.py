@@ -2,11 +2,12 @@
 
 Per step (see :meth:`DraftClient.step`):
 
-1. settle what is already known: replies that arrived, overdue replies,
-   queued failures (each disables its requests);
-2. copy the step's rows device -> the oldest free staging slot (waiting for
-   it if it is still referenced: back-pressure);
-3. send, on the one ordered connection: reconnect / cold-start preludes,
+1. start copying the step's rows device -> the oldest free staging slot
+   (waiting for it while a message still references it: back-pressure);
+2. while the copy runs: settle what is already known (replies that
+   arrived, overdue replies, queued failures: each disables its requests),
+   decide reconnects / cold starts, encode the messages;
+3. once the copy is done, send on the one ordered connection: preludes,
    then an ``ingest`` for requests that only ship context, then a
    ``propose`` for requests that sampled a token (when ``k > 0``);
 4. with a propose, wait for its reply only; without one, return at once
@@ -59,7 +60,8 @@ class RemoteRequest:
     disabled: str | None = None             # why it gets no drafts (until it leaves the batch)
     history: TokenHistory = field(default_factory=TokenHistory)
     born: float = field(default_factory=time.monotonic)
-    staged_once: bool = False
+    staged_once: bool = False               # rows of it were sent at least once
+    indexed: bool = False                   # registered as a reconnect source
 
 
 class DraftClient:
@@ -150,8 +152,9 @@ class DraftClient:
     def _guarded_step(self, inp: StepInput, out: StepOutput) -> None:
         """Run the step; transport trouble fails the step's batch closed instead of raising."""
         try:
-            self._service()
-            self._apply_failures()
+            if self.state is not State.READY:
+                self._service()
+                self._apply_failures()
             if self.state is State.READY:
                 self._run_step(inp, out)
             else:
@@ -172,46 +175,82 @@ class DraftClient:
         if ids:
             self.failures.push(FailureKind.NOT_CONNECTED, ids, f"connection {self.state.value}")
 
-    def _run_step(self, inp: StepInput, out: StepOutput) -> None:
-        reqs = [self._request(rid) for rid in inp.req_ids]
+    def _groups(self, inp: StepInput, reqs: list[RemoteRequest]) -> tuple[list[int], list[int]]:
+        """``(ingest, propose)``: live requests that only ship rows / that want drafts."""
         live = [i for i, r in enumerate(reqs) if r.disabled is None]
         propose = [i for i in live if inp.sampled[i] and inp.k > 0]
         chosen = set(propose)
-        ingest = [i for i in live if i not in chosen and inp.counts[i] > 0]
+        return [i for i in live if i not in chosen and inp.counts[i] > 0], propose
+
+    def _run_step(self, inp: StepInput, out: StepOutput) -> None:
+        """Copy, then do every piece of CPU work that needs no row data while the copy runs."""
+        reqs = [self._request(rid) for rid in inp.req_ids]
+        ingest, propose = self._groups(inp, reqs)
         if not ingest and not propose:
+            self._service()
             return
-        plan, slot, anchors = self._stage(inp, ingest, propose)
-        starts = {i: int(slot.positions[plan.dst[i]]) for i in plan.staged() if plan.counts[i] > 0}
-        with self.telemetry.phase("enqueue"):
-            drop = self._prepare_new(inp, reqs, starts)
-            if drop:
-                plan = layout.compact(slot, plan, drop)
-            pending_ingest = self._send_rows(slot, plan, inp) if plan.ingest else None
-            pending_propose = self._send_propose(slot, plan, inp, anchors) if plan.propose else None
+        anchors = self._anchor_lists(inp)
+        plan, slot = self._stage(inp, ingest, propose)
+        clock, t0 = time.perf_counter, time.perf_counter()
+        self._service()                       # replies, overdue checks: overlaps the copy
+        self._apply_failures()
+        if self.state is not State.READY:
+            self._lost_rows(inp)
+            return
+        starts = {i: anchors[1][i] - inp.counts[i] for i in plan.staged() if inp.counts[i] > 0}
+        drop = self._prepare_new(inp, reqs, starts) | {i for i in plan.staged() if reqs[i].disabled}
+        frames = None if drop else self._encode_step(slot, plan, inp, anchors)
+        t1 = clock()
+        layout.wait_for_copies(inp.positions, inp.token_ids, inp.hidden if plan.hidden else None)
+        t2 = clock()
+        self._check_starts(slot, plan, starts)
+        if drop:
+            plan = layout.compact(slot, plan, drop)
+            frames = self._encode_step(slot, plan, inp, anchors)
+        pending_ingest, pending_propose = self._post_step(slot, plan, inp, frames)
+        self.telemetry.add("d2h", t2 - t1)
+        self.telemetry.add("enqueue", (t1 - t0) + (clock() - t2))
         self._record(reqs, plan, slot, starts)
         self._finish_step(inp, out, plan, pending_ingest, pending_propose)
 
     # -------------------------------------------------------------- staging
+    def _anchor_lists(self, inp: StepInput) -> tuple[list[int], list[int]]:
+        """Anchors as Python lists (device tensors come over first, ahead of the rows)."""
+        values = [inp.anchor_tokens, inp.anchor_positions]
+        on_device = [isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in values]
+        if any(on_device):
+            sources = [v for v, dev in zip(values, on_device) if dev]
+            values = [v.to("cpu", non_blocking=True) if dev else v for v, dev in zip(values, on_device)]
+            layout.wait_for_copies(*sources)
+        return tuple(v.tolist() if isinstance(v, torch.Tensor) else list(v) for v in values)
+
     def _stage(self, inp: StepInput, ingest: list[int], propose: list[int]):
-        """Wait for the oldest slot, copy the rows into it, wait for the copies."""
-        deadline = time.monotonic() + self.settings.timeout_s
-        with self.telemetry.phase("ring_wait"):
-            slot, waited = self.ring.acquire(deadline, self._progress)
+        """Wait for the oldest free slot and start the copies into it (not waiting for them)."""
+        t0 = time.perf_counter()
+        slot, waited = self.ring.acquire(time.monotonic() + self.settings.timeout_s, self._progress)
         if waited:
             self.telemetry.count("ring_waits")
         want_hidden = inp.hidden is not None and (self.ship_hidden or self._capture is not None)
         plan = layout.plan_rows(list(inp.counts), ingest, propose, hidden=want_hidden)
         if self.ship_hidden and inp.hidden is None and plan.total_rows:
             raise StepInputError(f"engine {self.caps.engine} needs hidden rows; StepInput.hidden is None")
-        with self.telemetry.phase("stage"):
-            layout.stage(slot, plan, inp.positions, inp.token_ids, inp.hidden)
-            anchors = [_to_cpu(inp.anchor_tokens), _to_cpu(inp.anchor_positions)]
-        with self.telemetry.phase("d2h"):
-            layout.wait_for_copies(inp.positions, inp.token_ids, inp.hidden if want_hidden else None,
-                                   *[a for a in (inp.anchor_tokens, inp.anchor_positions)
-                                     if isinstance(a, torch.Tensor)])
-        anchors = [a.tolist() if isinstance(a, torch.Tensor) else list(a) for a in anchors]
-        return plan, slot, anchors
+        t1 = time.perf_counter()
+        layout.stage(slot, plan, inp.positions, inp.token_ids, inp.hidden)
+        self.telemetry.add("ring_wait", t1 - t0)
+        self.telemetry.add("stage", time.perf_counter() - t1)
+        return plan, slot
+
+    def _check_starts(self, slot: Slot, plan: layout.RowPlan, starts: dict[int, int]) -> None:
+        """The rows must start where the anchors say (anchor_position - count)."""
+        if not starts:
+            return
+        idx = np.fromiter((plan.dst[i] for i in starts), dtype=np.int64, count=len(starts))
+        want = np.fromiter(starts.values(), dtype=np.int64, count=len(starts))
+        got = slot.positions.numpy()[idx]
+        if not np.array_equal(got, want):
+            bad = int(np.flatnonzero(got != want)[0])
+            raise StepInputError(f"request {list(starts)[bad]}: rows start at {int(got[bad])} but "
+                                 f"anchor_position - count = {int(want[bad])}")
 
     def _progress(self, slot: Slot, left: float) -> None:
         """Make a busy slot free up: read replies (or wait for the capture thread)."""
@@ -228,36 +267,43 @@ class DraftClient:
             tensors["hidden"] = slot.hidden[start:stop]
         return tensors
 
-    def _send_rows(self, slot: Slot, plan: layout.RowPlan, inp: StepInput) -> Pending:
-        ids = [inp.req_ids[i] for i in plan.ingest]
-        msg = p.Ingest([p.RowSpan(inp.req_ids[i], inp.counts[i]) for i in plan.ingest])
-        pending = self._send_slot(slot, msg, self._rows_tensors(slot, 0, plan.ingest_rows), ids)
-        self.telemetry.count("ingest_messages")
-        return pending
+    def _encode_step(self, slot: Slot, plan: layout.RowPlan, inp: StepInput, anchors) -> tuple:
+        """Encoded ingest and propose messages of the step (either may be None)."""
+        ingest = propose = None
+        if plan.ingest:
+            msg = p.Ingest([p.RowSpan(inp.req_ids[i], inp.counts[i]) for i in plan.ingest])
+            ingest = self._conn.encode(msg, self._rows_tensors(slot, 0, plan.ingest_rows))
+        if plan.propose:
+            tokens, positions = anchors
+            items = [p.ProposeItem(inp.req_ids[i], inp.counts[i], int(tokens[i]), int(positions[i]))
+                     for i in plan.propose]
+            s = self.settings
+            msg = p.Propose(inp.k, items, logits=s.logits, topk=s.topk if s.logits == "topk" else 0)
+            start = plan.ingest_rows
+            propose = self._conn.encode(msg, self._rows_tensors(slot, start, start + plan.propose_rows))
+        return ingest, propose
 
-    def _send_propose(self, slot: Slot, plan: layout.RowPlan, inp: StepInput, anchors) -> Pending:
-        tokens, positions = anchors
-        ids = [inp.req_ids[i] for i in plan.propose]
-        items = [p.ProposeItem(inp.req_ids[i], inp.counts[i], int(tokens[i]), int(positions[i]))
-                 for i in plan.propose]
-        s = self.settings
-        msg = p.Propose(inp.k, items, logits=s.logits, topk=s.topk if s.logits == "topk" else 0)
-        start = plan.ingest_rows
-        pending = self._send_slot(slot, msg, self._rows_tensors(slot, start, start + plan.propose_rows), ids)
-        self.telemetry.count("sync_proposals")
-        return pending
+    def _post_step(self, slot: Slot, plan: layout.RowPlan, inp: StepInput, frames: tuple):
+        """Send the step's messages, ingest first; each holds the slot until its reply."""
+        ingest, propose = frames
+        pending_ingest = pending_propose = None
+        if ingest is not None:
+            pending_ingest = self._post_slot(slot, ingest, [inp.req_ids[i] for i in plan.ingest])
+            self.telemetry.count("ingest_messages")
+        if propose is not None:
+            pending_propose = self._post_slot(slot, propose, [inp.req_ids[i] for i in plan.propose])
+            self.telemetry.count("sync_proposals")
+        return pending_ingest, pending_propose
 
-    def _send_slot(self, slot: Slot, msg, tensors, ids: list[str]) -> Pending:
-        """Send a message whose frames view ``slot``; the slot stays held until its reply."""
+    def _post_slot(self, slot: Slot, outgoing, ids: list[str]) -> Pending:
+        """Send frames that view ``slot``; the slot stays held until the reply."""
         self.ring.hold(slot)
         try:
-            pending = self._conn.send(msg, tensors, on_reply=self._slot_settler(slot, ids),
-                                      on_abandon=self._slot_abandoner(slot, ids))
+            return self._conn.post(outgoing, on_reply=self._slot_settler(slot, ids),
+                                   on_abandon=self._slot_abandoner(slot, ids))
         except BaseException:
             self.ring.release(slot)
             raise
-        self.ring.track(slot, pending.trackers)
-        return pending
 
     def _slot_settler(self, slot: Slot, ids: list[str]):
         def settle(item: Pending) -> None:
@@ -268,13 +314,14 @@ class DraftClient:
     def _slot_abandoner(self, slot: Slot, ids: list[str]):
         def abandon(item: Pending, exc: Exception) -> None:
             self.ring.release(slot)
+            self.ring.retire(slot)          # libzmq may still read it: fresh memory before reuse
             self.failures.push(FailureKind.TRANSPORT, ids, f"{item.op} seq={item.seq}: {exc}")
         return abandon
 
     def _settle(self, item: Pending, ids: list[str], kind: FailureKind = FailureKind.REQUEST) -> None:
         """Account a reply; queue failures for whole-message or per-request errors."""
         reply = item.reply
-        self.telemetry.add("round_trip", item.round_trip)
+        self.telemetry.add("reply_age", item.round_trip)
         self.telemetry.add_server_timing(reply.body.get("timing"))
         if not reply.ok:
             err = reply.error or {}
@@ -368,8 +415,9 @@ class DraftClient:
             d = plan.dst[i]
             req.history.write(starts[i], tokens[d:d + n])
             req.length = starts[i] + n
-            if self._prefix is not None and len(req.history) >= self._prefix.block_size:
+            if not req.indexed and self._prefix is not None and req.length >= self._prefix.block_size:
                 self._prefix.track(req.id, req.history)
+                req.indexed = True
             if self._capture is not None:
                 self._submit_capture(slot, req.id, d, n, plan.hidden)
 
@@ -386,10 +434,12 @@ class DraftClient:
         if pending_propose is not None:
             with self.telemetry.phase("wait"):
                 reply = self._conn.wait(pending_propose)
+            self.telemetry.add("round_trip", pending_propose.round_trip)
             self._fill(inp, out, plan, reply)
         elif pending_ingest is not None and self.settings.ring_depth == 0:
             with self.telemetry.phase("wait"):
                 self._conn.wait(pending_ingest)
+            self.telemetry.add("round_trip", pending_ingest.round_trip)
             self.telemetry.count("sync_ingests")
         elif pending_ingest is not None:
             out.deferred = True
@@ -602,9 +652,3 @@ class DraftClient:
         })
         return snap
 
-
-def _to_cpu(values):
-    """Start a device->host copy of an anchor tensor (lists pass through)."""
-    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        return values.to("cpu", non_blocking=True)
-    return values

@@ -7,17 +7,25 @@ read, and the pending's callback runs then. The server handles one client's
 messages in arrival order, so waiting for a message also reads (and
 settles) the replies of everything sent before it.
 
-Large tensor frames are sent zero-copy (``copy=False``) with a ZMQ tracker,
-so a staging slot can tell when libzmq has let go of its bytes even after
-the socket was torn down.
+Large tensor frames are sent zero-copy (``copy=False``); pyzmq keeps the
+viewed memory alive until libzmq has sent it. Small frames are copied
+(cheaper than zero-copy bookkeeping). Zero-copy ``zmq.Frame`` objects are
+cached by (address, length): a staging slot's usual chunk is wrapped once,
+and re-sending it only bumps a reference count inside libzmq instead of
+registering the buffer with pyzmq's garbage-collector thread on every
+message (whose GIL traffic costs milliseconds on a busy host). A cached
+frame keeps its memory alive until evicted, so an address is never reused
+while a frame for it exists.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 import zmq
 import zmq.auth
@@ -29,6 +37,12 @@ from k3_accel.transport.failures import TransportError, TransportTimeout
 log = logging.getLogger("k3_accel.transport")
 
 ReplyCallback = Callable[["Pending"], None]
+FRAME_CACHE = 32          # zero-copy frames kept for re-sending
+
+
+def _address(view: memoryview) -> int:
+    """Start address of the memory under ``view``."""
+    return np.frombuffer(view, dtype=np.uint8, count=1).__array_interface__["data"][0]
 
 
 @dataclass(eq=False)
@@ -41,7 +55,6 @@ class Pending:
     on_reply: ReplyCallback | None = None
     on_abandon: Callable[["Pending", Exception], None] | None = None
     keepalive: Any = None                  # tensors the frames view (copied frames need none)
-    trackers: list[Any] = field(default_factory=list)
     reply: Reply | None = None
     received_at: float = 0.0
 
@@ -52,6 +65,14 @@ class Pending:
     @property
     def round_trip(self) -> float:
         return self.received_at - self.sent_at
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """An encoded request not sent yet."""
+    seq: int
+    op: str
+    frames: list
 
 
 @dataclass(frozen=True)
@@ -87,6 +108,7 @@ class Connection:
         self.stray_replies = 0
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
+        self._frames: OrderedDict[tuple[int, int], zmq.Frame] = OrderedDict()
         self._seq = 0
         self._pending: dict[int, Pending] = {}
 
@@ -142,37 +164,66 @@ class Connection:
              on_reply: ReplyCallback | None = None,
              on_abandon: Callable[[Pending, Exception], None] | None = None,
              keepalive: Any = None, timeout_s: float | None = None) -> Pending:
-        """Queue one message; large tensor frames go zero-copy and are tracked."""
+        """Queue one message (never blocks); large tensor frames go zero-copy."""
+        return self.post(self.encode(msg, tensors), on_reply=on_reply, on_abandon=on_abandon,
+                         keepalive=keepalive, timeout_s=timeout_s)
+
+    def encode(self, msg: p.Message, tensors: Mapping[str, torch.Tensor] | None = None) -> "Outgoing":
+        """Frames for ``msg`` with the next seq, ready for :meth:`post` (the tensors' bytes
+        are read only when posted, so they may still be filling)."""
+        self._seq += 1
+        return Outgoing(self._seq, p.Request(self._seq, msg).op, p.encode_request(self._seq, msg, tensors))
+
+    def post(self, out: "Outgoing", *, on_reply: ReplyCallback | None = None,
+             on_abandon: Callable[[Pending, Exception], None] | None = None,
+             keepalive: Any = None, timeout_s: float | None = None) -> Pending:
+        """Queue encoded frames (never blocks); :class:`TransportError` if no peer takes them."""
         if self._sock is None:
             raise TransportError("not connected")
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if not self.writable(timeout_s):
-            raise TransportTimeout(f"draft server at {self.address} not reachable within {timeout_s:.3f}s")
-        self._seq += 1
-        frames = p.encode_request(self._seq, msg, tensors)
-        trackers = self._send_frames(frames)
+        self._send_frames(out.frames)
         now = time.monotonic()
-        item = Pending(self._seq, p.Request(self._seq, msg).op, now, now + timeout_s, on_reply, on_abandon,
-                       keepalive, trackers)
+        item = Pending(out.seq, out.op, now, now + (self.timeout_s if timeout_s is None else timeout_s),
+                       on_reply, on_abandon, keepalive)
         self._pending[item.seq] = item
         return item
 
-    def _send_frames(self, frames: list) -> list[Any]:
-        trackers, last = [], len(frames) - 1
+    def _send_frames(self, frames: list) -> None:
+        """Queue a multipart message without blocking (IMMEDIATE: no peer -> EAGAIN at once).
+
+        ZMQ multipart sends are atomic: if the first frame is accepted, all are.
+        """
+        last = len(frames) - 1
         try:
             for i, frame in enumerate(frames):
                 flags = zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0)
-                big = isinstance(frame, memoryview) and frame.nbytes >= self.zero_copy_min_bytes
-                tracker = self._sock.send(frame, flags, copy=not big, track=big)
-                if big:
-                    trackers.append(tracker)
+                if isinstance(frame, memoryview) and frame.nbytes >= self.zero_copy_min_bytes:
+                    self._sock.send(self._zero_copy(frame), flags, copy=False)
+                else:
+                    self._sock.send(frame, flags, copy=True)
+        except zmq.Again:
+            raise TransportError(f"draft server at {self.address} is not connected "
+                                 "(or its queue is full)") from None
         except zmq.ZMQError as exc:
             raise TransportError(f"send to {self.address} failed: {exc}") from exc
-        return trackers
+
+    def _zero_copy(self, view: memoryview) -> zmq.Frame:
+        """A (cached) zero-copy frame over ``view``'s memory."""
+        key = (_address(view), view.nbytes)
+        frame = self._frames.get(key)
+        if frame is None:
+            frame = self._frames[key] = zmq.Frame(view, copy=False)
+            while len(self._frames) > FRAME_CACHE:
+                self._frames.popitem(last=False)
+        else:
+            self._frames.move_to_end(key)
+        return frame
 
     # ----------------------------------------------------------- replies
-    def poll(self, timeout_s: float = 0.0) -> int:
-        """Read every reply available, waiting up to ``timeout_s`` for the first; returns how many."""
+    def poll(self, timeout_s: float = 0.0, until: Pending | None = None) -> int:
+        """Read the replies available, waiting up to ``timeout_s`` for the first; returns how many.
+
+        Stops early once ``until`` (if given) has its reply.
+        """
         if self._sock is None:
             return 0
         handled = 0
@@ -182,6 +233,8 @@ class Connection:
                 self._dispatch(self._sock.recv_multipart(zmq.NOBLOCK, copy=False))
                 handled += 1
                 wait_ms = 0
+                if until is not None and until.reply is not None:
+                    break
         except zmq.ZMQError as exc:
             raise TransportError(f"receive from {self.address} failed: {exc}") from exc
         return handled
@@ -193,7 +246,7 @@ class Connection:
             if left <= 0 or self._sock is None:
                 raise TransportTimeout(f"no reply to {item.op} seq={item.seq} from {self.address} "
                                        f"within {self.timeout_s:.3f}s")
-            self.poll(min(left, 1.0) + 0.0005)
+            self.poll(min(left, 1.0) + 0.0005, until=item)
         return item.reply
 
     def expire(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -68,21 +69,42 @@ def copy_runs(plan: RowPlan) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``: asynchronous from a CUDA source into pinned memory;
+    a plain single-threaded memcpy between same-dtype contiguous CPU tensors
+    (torch's intra-op thread pool makes large CPU copies slow on a busy host)."""
+    if (src.device.type == "cpu" and src.dtype == dst.dtype and src.is_contiguous()
+            and dst.is_contiguous() and src.numel()):
+        np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
 def stage(slot, plan: RowPlan, positions: torch.Tensor, token_ids: torch.Tensor,
           hidden: torch.Tensor | None) -> None:
-    """Issue the device->slot copies (asynchronous for CUDA sources into pinned slots)."""
-    for s, d, n in copy_runs(plan):
-        slot.positions[d:d + n].copy_(positions[s:s + n], non_blocking=True)
-        slot.token_ids[d:d + n].copy_(token_ids[s:s + n], non_blocking=True)
-        if plan.hidden:
-            slot.hidden[d:d + n].copy_(hidden[s:s + n], non_blocking=True)
+    """Issue the device->slot copies (asynchronous for CUDA sources into pinned slots).
+
+    Hidden rows go first: issuing the small copies then overlaps the big transfer.
+    """
+    runs = copy_runs(plan)
+    if plan.hidden:
+        for s, d, n in runs:
+            copy_rows(slot.hidden[d:d + n], hidden[s:s + n])
+    for s, d, n in runs:
+        copy_rows(slot.positions[d:d + n], positions[s:s + n])
+        copy_rows(slot.token_ids[d:d + n], token_ids[s:s + n])
+
+
+_EVENTS: dict[torch.device, "torch.cuda.Event"] = {}
 
 
 def wait_for_copies(*tensors: torch.Tensor | None) -> None:
     """Block until copies queued on the current streams of the given tensors' devices are done."""
     devices = {t.device for t in tensors if t is not None and t.device.type == "cuda"}
     for device in devices:
-        event = torch.cuda.Event()
+        event = _EVENTS.get(device)
+        if event is None:
+            event = _EVENTS[device] = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         event.synchronize()
 

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Mapping
 
 log = logging.getLogger("k3_accel.transport")
 
-PHASES = ("stage", "d2h", "enqueue", "wait", "ring_wait", "round_trip", "step")
+PHASES = ("stage", "d2h", "enqueue", "wait", "ring_wait", "round_trip", "reply_age", "step")
 
 
 @dataclass
@@ -34,12 +34,15 @@ class PhaseStat:
 class Telemetry:
     """Phase timers and counters of one client; safe to update from any thread.
 
-    Phases: ``stage`` (slot bookkeeping and copy issue), ``d2h`` (waiting for
-    the device->host copy), ``enqueue`` (encode + hand frames to ZMQ),
-    ``wait`` (blocked on a propose / synchronous reply), ``ring_wait``
-    (blocked on a busy slot), ``round_trip`` (send -> reply, per message, also
-    for deferred ones) and ``step`` (whole step). ``server.*`` phases are
-    whatever timing the server reports in reply bodies.
+    Phases: ``stage`` (issuing the device->slot copies), ``d2h`` (waiting for
+    them), ``enqueue`` (preludes, encode, hand frames to ZMQ), ``wait``
+    (blocked on a propose / synchronous reply), ``ring_wait`` (blocked on a
+    busy slot), ``round_trip`` (send -> reply of the messages a step waited
+    for), ``reply_age`` (send -> reply read, every message; for deferred ones
+    this includes the time until the next step reads it) and ``step`` (the
+    whole step). ``server.*`` phases are whatever timing the server reports in
+    a reply's ``timing`` map. The adapter may add its own (e.g. ``gather``)
+    with :meth:`phase`.
     """
 
     def __init__(self, log_interval: int = 0):

@@ -1,0 +1,295 @@
+"""Target-side blocking time per context chunk: naive vs pinned ring + zero-copy + deferred.
+
+For each chunk size (rows x width, bf16 hidden rows on the target's device):
+
+(a) naive: device -> pageable host copy, ``.numpy().tobytes()`` serialisation,
+    copying send, wait for the reply (what a REQ/REP client does);
+(b) ``DraftClient.step`` on a deferred ingest step (pinned ring, zero-copy
+    frames, no wait for the reply), measured in steady state with a gap
+    between steps that stands in for the target's forward pass;
+(c) the bare device -> pinned-host copy of the same hidden bytes (the floor).
+
+The server is the real draft server (``DraftService`` + ``ServerLoop``) in a
+subprocess, with an engine that takes hidden rows of the chunk's width and
+drafts by n-gram (it keeps no hidden state), so the server's own cost is the
+real decode / validate / store path. Prints one JSON document; ``--out``
+writes it too. Goal: (b)/(c) <= 1.15 at the largest chunk.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+if SRC not in sys.path:
+    sys.path.insert(0, SRC)
+
+from k3_accel import protocol as p  # noqa: E402
+from k3_accel.transport.api import ClientSettings, StepInput  # noqa: E402
+from k3_accel.transport.client import DraftClient  # noqa: E402
+from k3_accel.transport.layout import copy_rows  # noqa: E402
+
+DEFAULT_SIZES = "1536x21504,512x21504,128x21504,1536x7168"
+
+
+# ------------------------------------------------------------------ server
+def serve(port: int, width: int) -> None:
+    """Run the real server loop with a hidden-row-taking n-gram engine (``--serve`` mode)."""
+    import dataclasses
+    import threading
+    import zmq
+    from k3_accel.server.engines.ngram import NgramEngine
+    from k3_accel.server.loop import ServerLoop
+    from k3_accel.server.metrics import ServerMetrics
+    from k3_accel.server.service import DraftService
+    from k3_accel.server.state import RequestTable
+
+    engine = NgramEngine(max_spec_tokens=16)
+    engine.caps = dataclasses.replace(engine.caps, needs_hidden_states=True, context_width=width)
+    table = RequestTable(engine, max_requests=256, max_retained=0, budget_bytes=1 << 34)
+    service = DraftService(engine, table, ServerMetrics(), 256)
+    loop = ServerLoop(service, f"tcp://127.0.0.1:{port}", 1 << 31, ctx=zmq.Context())
+    print("ready", flush=True)
+    loop.serve(threading.Event())
+
+
+def start_server(width: int) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(width)], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError("benchmark server did not start")
+    return proc, f"tcp://127.0.0.1:{port}"
+
+
+# ---------------------------------------------------------------- measures
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def chunk(rows: int, width: int, start: int, device: torch.device):
+    positions = torch.arange(start, start + rows, device=device)
+    tokens = torch.randint(0, 1000, (rows,), device=device)
+    hidden = torch.randn(rows, width, device=device, dtype=torch.bfloat16)
+    return positions, tokens, hidden
+
+
+def busy_gap(seconds: float) -> None:
+    """Stand-in for the target's forward pass: keep the thread busy (a target thread launching
+    kernels or spinning on a sync does not sleep), so neither measure starts from an idle core."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def bare_copy(sources: list[torch.Tensor], iters: int, depth: int, gap_s: float) -> list[float]:
+    """(c) the device -> pinned host copy alone (plain memory without CUDA).
+
+    Same memory footprint as (b): the sources alternate like (b)'s chunks and
+    the copies rotate over ``depth`` destinations like (b)'s slots (on a CPU
+    host a single hot buffer pair would sit in the last-level cache).
+    """
+    pin = torch.cuda.is_available()
+    dsts = [torch.empty(sources[0].shape, dtype=sources[0].dtype, pin_memory=pin) for _ in range(max(depth, 1))]
+    out = []
+    for i in range(iters):
+        src, dst = sources[i % len(sources)], dsts[i % len(dsts)]
+        sync(src.device)
+        t0 = time.perf_counter()
+        copy_rows(dst, src)          # the same primitive (b) uses: DMA on CUDA, memcpy on CPU
+        sync(src.device)
+        out.append(time.perf_counter() - t0)
+        busy_gap(gap_s)
+    return out
+
+
+def naive(address: str, rows: int, width: int, device: torch.device, iters: int) -> list[float]:
+    """(a) pageable copy + tobytes + copying send + synchronous reply wait."""
+    import zmq
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    out, start = [], 0
+    for i in range(iters):
+        positions, tokens, hidden = chunk(rows, width, start, device)
+        sync(device)
+        t0 = time.perf_counter()
+        host = {"positions": positions.cpu(), "token_ids": tokens.cpu(), "hidden": hidden.cpu()}
+        frames = p.encode_request(i + 1, p.Ingest([p.RowSpan("naive", rows)]), host)
+        frames = [frames[0]] + [bytes(f) for f in frames[1:]]     # host serialisation
+        sock.send_multipart(frames, copy=True)
+        reply = p.decode_reply(sock.recv_multipart())
+        out.append(time.perf_counter() - t0)
+        assert reply.ok and all(r["ok"] for r in reply.body["results"]), reply
+        start += rows
+    sock.close(linger=0)
+    ctx.term()
+    return out
+
+
+def ring(address: str, rows: int, width: int, device: torch.device, iters: int, gap_s: float,
+         depth: int, settle: bool) -> tuple[list[float], dict]:
+    """(b) DraftClient.step on deferred ingest steps, with ``gap_s`` of 'forward pass' between.
+
+    ``settle``: also wait (untimed) until the server has answered before the
+    next step, so the server's work does not compete for this host's CPU
+    cores and memory bandwidth while the step is timed.
+    """
+    settings = ClientSettings(address=address, timeout_ms=60000, ring_depth=depth, max_rows=rows,
+                              context_width=width, hidden_dtype=torch.bfloat16)
+    client = DraftClient(settings).start()
+    assert client.state.value == "ready", client.state
+    out, start = [], 0
+    chunks = [chunk(rows, width, rows * i, device) for i in range(2)]
+    for i in range(iters):
+        positions, tokens, hidden = chunks[i % 2]
+        positions = positions + start - rows * (i % 2)
+        inp = StepInput(["ring"], [rows], positions, tokens, [False], [0], [start + rows], k=0, hidden=hidden)
+        sync(device)
+        t0 = time.perf_counter()
+        result = client.step(inp)
+        out.append(time.perf_counter() - t0)
+        assert result.deferred or depth == 0
+        start += rows
+        if settle:
+            client.flush()
+        busy_gap(gap_s)
+    client.flush()
+    stats = client.stats()
+    client.close()
+    failures = {k: v for k, v in stats["counters"].items() if k.startswith("failures.")}
+    assert not failures, failures
+    return out, stats
+
+
+class Breakdown:
+    """Times pieces of ``DraftClient.step`` (median per call) by wrapping them for a ``with`` block."""
+    PIECES = (("k3_accel.transport.client", "DraftClient", "step"),
+              ("k3_accel.transport.client", "DraftClient", "_service"),
+              ("k3_accel.transport.layout", None, "stage"),
+              ("k3_accel.transport.layout", None, "wait_for_copies"),
+              ("k3_accel.protocol", None, "encode_request"),
+              ("k3_accel.transport.connection", "Connection", "_send_frames"),
+              ("k3_accel.transport.client", "DraftClient", "_record"))
+
+    def __enter__(self) -> "Breakdown":
+        import importlib
+        self.times: dict[str, list[float]] = {}
+        self.saved = []
+        for module, cls, name in self.PIECES:
+            owner = importlib.import_module(module)
+            owner = getattr(owner, cls) if cls else owner
+            original = getattr(owner, name)
+            self.saved.append((owner, name, original))
+            setattr(owner, name, self._timed(f"{cls + '.' if cls else ''}{name}", original))
+        return self
+
+    def _timed(self, label: str, fn):
+        times = self.times.setdefault(label, [])
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times.append(time.perf_counter() - t0)
+        return wrapper
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in self.saved:
+            setattr(owner, name, original)
+
+    def medians(self, skip: int) -> dict:
+        return {k: round(statistics.median(v[skip:] or v) * 1e6, 1) for k, v in self.times.items() if v}
+
+
+def summary_ms(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median_ms": statistics.median(xs) * 1e3, "p90_ms": xs[int(0.9 * (len(xs) - 1))] * 1e3,
+            "min_ms": xs[0] * 1e3, "n": len(xs)}
+
+
+def run_size(rows: int, width: int, device: torch.device, args) -> dict:
+    proc, address = start_server(width)
+    try:
+        sources = [chunk(rows, width, 0, device)[2] for _ in range(2)]
+        c = bare_copy(sources, args.iters + args.warmup, args.depth, args.gap_ms / 1e3)[args.warmup:]
+        del sources
+        n = args.iters + args.warmup
+        b, stats = ring(address, rows, width, device, n, args.gap_ms / 1e3, args.depth, settle=False)
+        with Breakdown() as pieces:
+            b_settled, _ = ring(address, rows, width, device, n, args.gap_ms / 1e3, args.depth, settle=True)
+        b, b_settled = b[args.warmup:], b_settled[args.warmup:]
+        a = naive(address, rows, width, device, max(3, args.iters // 4) + 1)[1:]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    row = {"rows": rows, "width": width, "hidden_mib": rows * width * 2 / 2**20,
+           "a_naive": summary_ms(a), "b_ring": summary_ms(b), "b_ring_server_idle": summary_ms(b_settled),
+           "c_copy": summary_ms(c),
+           "ratio_b_over_c": statistics.median(b) / statistics.median(c),
+           "ratio_b_server_idle_over_c": statistics.median(b_settled) / statistics.median(c),
+           "ratio_a_over_c": statistics.median(a) / statistics.median(c),
+           "ring": stats["ring"], "ring_waits": stats["counters"].get("ring_waits", 0),
+           "server_idle_breakdown_median_us": pieces.medians(args.warmup),
+           "client_phases_ms": {k: round(v["mean_ms"], 4) for k, v in stats["phases"].items()}}
+    print(json.dumps({k: row[k] for k in ("rows", "width", "ratio_b_over_c", "ratio_b_server_idle_over_c",
+                                           "ratio_a_over_c")}),
+          file=sys.stderr, flush=True)
+    return row
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()} CPU only, {os.cpu_count()} CPUs, torch {torch.__version__}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--serve", nargs=2, type=int, metavar=("PORT", "WIDTH"), help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated ROWSxWIDTH chunks")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--gap-ms", type=float, default=100.0, help="pause between steps (the target's forward)")
+    ap.add_argument("--depth", type=int, default=2, help="ring depth (VLLM_K3_DRAFT_ASYNC_PREFILL_INGEST)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args()
+    if args.serve:
+        serve(*args.serve)
+        return
+    device = torch.device(args.device)
+    sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
+    table = [run_size(r, w, device, args) for r, w in sizes]
+    head = table[0]
+    doc = {"summary": {"metric": f"target blocking time per {head['rows']}x{head['width']} bf16 chunk, "
+                                 "(b) ring+zero-copy+deferred / (c) bare device->pinned copy",
+                       "ratio": round(head["ratio_b_over_c"], 4), "goal": 1.15, "machine": machine(device),
+                       "date": datetime.date.today().isoformat()},
+           "device": str(device), "pinned": torch.cuda.is_available(),
+           "params": {"iters": args.iters, "warmup": args.warmup, "gap_ms": args.gap_ms, "depth": args.depth},
+           "table": table}
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Propose round trip on loopback vs a raw pyzmq ping-pong of the same byte sizes.
+
+For B requests in decode (one new context row each, K drafts wanted), times
+``DraftClient.step`` against the real ``k3-draft-server --engine ngram``
+subprocess, and a raw DEALER/ROUTER ping-pong (echo server in its own
+process) sending and receiving exactly as many frames and bytes as the
+propose request and its reply. Also reads the server's own handling time of
+``propose`` from its /metrics, so the transport overhead can be separated
+from the drafting work. Prints one JSON document; ``--out`` writes it too.
+Goal: ratio <= 1.5 at B = 32.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+if SRC not in sys.path:
+    sys.path.insert(0, SRC)
+
+from k3_accel import protocol as p  # noqa: E402
+from k3_accel.transport.api import ClientSettings, StepInput  # noqa: E402
+from k3_accel.transport.client import DraftClient  # noqa: E402
+
+CONTEXT = 256        # context rows per request before timing starts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+# -------------------------------------------------------------- processes
+def start_draft_server() -> tuple[subprocess.Popen, str, int]:
+    port, http = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "k3_accel.server.cli", "--engine", "ngram", "--host",
+                             "127.0.0.1", "--port", str(port), "--http-port", str(http),
+                             "--log-level", "WARNING"], env=env())
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/readyz", timeout=1) as r:
+                if r.status == 200:
+                    return proc, f"tcp://127.0.0.1:{port}", http
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("draft server not ready")
+
+
+def echo(port: int, sizes: list[int]) -> None:
+    """``--echo`` mode: a ROUTER answering every message with frames of ``sizes`` bytes."""
+    import zmq
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    reply = [b"r" * n for n in sizes]
+    print("ready", flush=True)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        sock.send_multipart([frames[0], *reply], copy=False)
+
+
+def start_echo(sizes: list[int]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--echo", str(port), json.dumps(sizes)], env=env(),
+                            stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError("echo server did not start")
+    return proc, f"tcp://127.0.0.1:{port}"
+
+
+def server_propose_seconds(http: int) -> tuple[float, int]:
+    """Sum and count of the server's propose handling time (Prometheus histogram)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=5).read().decode()
+    def value(suffix: str) -> float:
+        m = re.search(rf'k3_draft_latency_seconds_{suffix}\{{op="propose"\}} ([0-9.e+-]+)', text)
+        return float(m.group(1)) if m else 0.0
+    return value("sum"), int(value("count"))
+
+
+# --------------------------------------------------------------- measures
+def step_input(b: int, k: int, length: int, rows: int, device: torch.device) -> StepInput:
+    """Decode step: ``rows`` new rows per request starting at ``length`` (a repeating pattern)."""
+    ids = [f"req-{i}" for i in range(b)]
+    positions = torch.cat([torch.arange(length, length + rows) for _ in range(b)]).to(device)
+    tokens = (positions % 17 + torch.arange(b).repeat_interleave(rows).to(device)).to(torch.int64)
+    anchors = [(length + rows) % 17 + i for i in range(b)]
+    return StepInput(ids, [rows] * b, positions, tokens, [True] * b, anchors, [length + rows] * b, k=k)
+
+
+def frame_sizes(inp: StepInput, k: int) -> tuple[list[int], list[int]]:
+    """Bytes per frame of the propose request and its reply, as the client and server encode them."""
+    items = [p.ProposeItem(r, c, int(a), int(q)) for r, c, a, q in
+             zip(inp.req_ids, inp.counts, inp.anchor_tokens, inp.anchor_positions)]
+    req = p.encode_request(10**6, p.Propose(k, items), {"positions": inp.positions.cpu(),
+                                                         "token_ids": inp.token_ids.cpu()})
+    results = [asdict(p.RequestResult(r)) for r in inp.req_ids]
+    reply = p.Reply(10**6, True, "12345-abcdefabcdef", {"results": results},
+                    {"drafts": torch.zeros(len(items), k, dtype=torch.int64)})
+    rep = p.encode_reply(reply)
+    return [len(bytes(f)) for f in req], [len(bytes(f)) for f in rep]
+
+
+def client_round_trips(address: str, b: int, k: int, iters: int, device: torch.device) -> tuple[list[float], dict]:
+    client = DraftClient(ClientSettings(address=address, timeout_ms=30000, max_rows=max(CONTEXT * b, 1024),
+                                        num_speculative_tokens=k)).start()
+    assert client.state.value == "ready"
+    prefill = step_input(b, k, 0, CONTEXT, device)
+    prefill.sampled = [False] * b
+    client.step(prefill)
+    out, length = [], CONTEXT
+    for _ in range(iters):
+        inp = step_input(b, k, length, 1, device)
+        t0 = time.perf_counter()
+        res = client.step(inp)
+        out.append(time.perf_counter() - t0)
+        assert not res.deferred and res.drafts.shape == (b, k)
+        length += 1
+    stats = client.stats()
+    failures = {n: v for n, v in stats["counters"].items() if n.startswith("failures.")}
+    assert not failures, failures
+    client.close()
+    return out, stats
+
+
+def ping_pong(req_sizes: list[int], rep_sizes: list[int], iters: int) -> list[float]:
+    import zmq
+    proc, address = start_echo(rep_sizes)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    frames = [b"q" * n for n in req_sizes]
+    out = []
+    try:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            sock.send_multipart(frames)
+            got = sock.recv_multipart(copy=False)
+            out.append(time.perf_counter() - t0)
+            assert [len(f) for f in got] == rep_sizes
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        proc.terminate()
+        proc.wait(10)
+    return out
+
+
+def summary_us(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median_us": statistics.median(xs) * 1e6, "p90_us": xs[int(0.9 * (len(xs) - 1))] * 1e6,
+            "min_us": xs[0] * 1e6, "n": len(xs)}
+
+
+def run_batch(b: int, k: int, iters: int, warmup: int, device: torch.device) -> dict:
+    proc, address, http = start_draft_server()
+    try:
+        before = server_propose_seconds(http)
+        rt, stats = client_round_trips(address, b, k, iters + warmup, device)
+        after = server_propose_seconds(http)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    rt = rt[warmup:]
+    server_mean = (after[0] - before[0]) / max(after[1] - before[1], 1)
+    req_sizes, rep_sizes = frame_sizes(step_input(b, k, CONTEXT, 1, torch.device("cpu")), k)
+    pp = ping_pong(req_sizes, rep_sizes, iters + warmup)[warmup:]
+    med_rt, med_pp = statistics.median(rt), statistics.median(pp)
+    row = {"B": b, "K": k, "request_bytes": req_sizes, "reply_bytes": rep_sizes,
+           "propose_step": summary_us(rt), "raw_ping_pong": summary_us(pp),
+           "server_propose_handling_mean_us": server_mean * 1e6,
+           "ratio": med_rt / med_pp,
+           "ratio_excluding_server_handling": max(med_rt - server_mean, 0.0) / med_pp,
+           "client_phases_us": {n: round(v["mean_ms"] * 1e3, 1) for n, v in stats["phases"].items()}}
+    print(json.dumps({n: row[n] for n in ("B", "ratio", "ratio_excluding_server_handling")}),
+          file=sys.stderr, flush=True)
+    return row
+
+
+def machine() -> str:
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs{gpu}, torch {torch.__version__}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--echo", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--device", default="cpu", help="where the step's input tensors live")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.echo:
+        echo(int(args.echo[0]), json.loads(args.echo[1]))
+        return
+    device = torch.device(args.device)
+    table = [run_batch(int(b), args.k, args.iters, args.warmup, device) for b in args.batches.split(",")]
+    last = table[-1]
+    doc = {"summary": {"metric": f"propose round trip at B={last['B']}, K={args.k} (DraftClient.step, ngram "
+                                 "server) / raw pyzmq ping-pong of the same frame sizes",
+                       "ratio": round(last["ratio"], 4), "goal": 1.5, "machine": machine(),
+                       "date": datetime.date.today().isoformat()},
+           "params": {"iters": args.iters, "warmup": args.warmup, "context_rows": CONTEXT,
+                      "device": str(device)},
+           "table": table}
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The failure queue under concurrent producers, and the handshake checks."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from k3_accel import protocol as p
+from k3_accel.transport import handshake
+from k3_accel.transport.failures import FailureKind, FailureQueue, IncompatibleServer
+
+PRODUCERS, PER_PRODUCER = 8, 2000
+
+
+def test_concurrent_failures_are_drained_exactly_once_and_in_order():
+    queue = FailureQueue()
+    start = threading.Barrier(PRODUCERS + 1)
+
+    def produce(n: int) -> None:
+        start.wait()
+        for i in range(PER_PRODUCER):
+            queue.push(FailureKind.TRANSPORT, [f"p{n}-{i}"], detail=str(i))
+
+    threads = [threading.Thread(target=produce, args=(n,)) for n in range(PRODUCERS)]
+    for t in threads:
+        t.start()
+    start.wait()
+    drained = []
+    while any(t.is_alive() for t in threads) or len(queue):
+        drained.extend(queue.drain())                  # races with the producers on purpose
+    for t in threads:
+        t.join()
+    drained.extend(queue.drain())
+    ids = [f.ids[0] for f in drained]
+    assert len(ids) == PRODUCERS * PER_PRODUCER == len(set(ids))
+    for n in range(PRODUCERS):                          # each producer's failures keep their order
+        mine = [int(f.detail) for f in drained if f.ids[0].startswith(f"p{n}-")]
+        assert mine == list(range(PER_PRODUCER))
+    assert queue.drain() == []
+
+
+def test_drain_is_atomic_snapshot():
+    queue = FailureQueue()
+    queue.push("request", ["a"])
+    queue.push(FailureKind.SERVER_RESTART, all_requests=True)
+    got = queue.drain()
+    assert [f.kind for f in got] == [FailureKind.REQUEST, FailureKind.SERVER_RESTART]
+    assert got[1].all_requests and len(queue) == 0
+
+
+def test_unknown_failure_kind_is_rejected():
+    with pytest.raises(ValueError):
+        FailureQueue().push("nonsense")
+
+
+def caps(**kw) -> p.ServerCaps:
+    base = dict(engine="dflash", needs_hidden_states=True, context_width=3 * 64,
+                hidden_dtypes=["bfloat16"], supports_logits=False, supports_topk=True,
+                max_requests=8, max_spec_tokens=7, block_size=16, vocab_size=1000)
+    base.update(kw)
+    return p.ServerCaps(**base)
+
+
+def hello_reply(c: p.ServerCaps) -> p.Reply:
+    return p.Reply(seq=1, ok=True, server_id="s", body={"caps": p.to_body(c)})
+
+
+NEEDS = handshake.TargetNeeds(context_width=192, hidden_dtype=torch.bfloat16, num_speculative_tokens=7)
+
+
+def test_matching_caps_pass():
+    assert handshake.check(hello_reply(caps()), NEEDS).context_width == 192
+
+
+@pytest.mark.parametrize("server_caps, needs, words", [
+    (caps(context_width=128), NEEDS, "context width"),
+    (caps(), handshake.TargetNeeds(0, torch.bfloat16, 7), "ships none"),
+    (caps(hidden_dtypes=["float32"]), NEEDS, "dtype"),
+    (caps(max_spec_tokens=4), NEEDS, "max_spec_tokens"),
+    (caps(), handshake.TargetNeeds(192, torch.bfloat16, 7, logits="full"), "logits"),
+    (caps(supports_topk=False), handshake.TargetNeeds(192, torch.bfloat16, 7, logits="topk", topk=4), "top-k"),
+    (caps(protocol=p.PROTOCOL_VERSION + 1), NEEDS, "protocol"),
+])
+def test_each_mismatch_fails_closed_with_a_reason(server_caps, needs, words):
+    with pytest.raises(IncompatibleServer, match=words):
+        handshake.check(hello_reply(server_caps), needs)
+
+
+def test_no_hidden_engine_ignores_width():
+    ngram = caps(engine="ngram", needs_hidden_states=False, context_width=0)
+    assert handshake.problems(ngram, NEEDS) == []
+
+
+def test_wrong_protocol_version_reply_is_incompatible():
+    import msgpack
+    frame = msgpack.packb({"v": p.PROTOCOL_VERSION + 1, "op": "reply", "seq": 1, "body": {}, "tensors": []})
+    with pytest.raises(p.ProtocolError) as err:
+        p.decode_reply([frame])
+    reply = p.Reply(seq=1, ok=False, server_id="", error={"code": err.value.code.value, "message": "x"})
+    with pytest.raises(IncompatibleServer, match="BAD_VERSION"):
+        handshake.check(reply, NEEDS)
+
+
+def test_refused_hello_is_incompatible():
+    with pytest.raises(IncompatibleServer, match="no valid caps"):
+        handshake.check(p.Reply(seq=1, ok=True, server_id="s", body={}), NEEDS)

@@ -1,0 +1,119 @@
+"""Hidden-row shipping against a real DFlash draft server (tiny random checkpoint, CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3_accel.testing.tiny import write_tiny_dflash, write_tiny_target
+from k3_accel.transport.api import StepInput
+from test_transport_helpers import DraftServer, client_factory  # noqa: F401 (fixture)
+
+WIDTH, K, VOCAB = 256, 7, 512          # tiny DFlash: 2 aux layers x hidden 128, block 8
+
+
+@pytest.fixture(scope="module")
+def dflash(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash")
+    target = write_tiny_target(root / "target")
+    draft = write_tiny_dflash(root / "draft", target)
+    srv = DraftServer(None, "--draft-model", str(draft), "--target-model", str(target), engine="dflash").start()
+    yield srv
+    srv.stop()
+
+
+def context(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and hidden rows of positions 0..n-1 (a target would compute the same for the same prefix)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, VOCAB - 1, (n,), generator=gen)
+    hidden = torch.randn(n, WIDTH, generator=gen).to(torch.bfloat16)
+    return tokens, hidden
+
+
+def step(req: str, start: int, stop: int, tokens, hidden, *, sampled=True, prompt=None) -> StepInput:
+    return StepInput([req], [stop - start], torch.arange(start, stop), tokens[start:stop], [sampled],
+                     [int(tokens[stop]) if stop < len(tokens) else 1], [stop], k=K, hidden=hidden[start:stop],
+                     prompt_token_ids=None if prompt is None else {req: prompt})
+
+
+def make(client_factory, dflash, **kw):
+    return client_factory(dflash.address, context_width=WIDTH, num_speculative_tokens=K, **kw)
+
+
+def test_deferred_zero_copy_hidden_rows_give_the_same_drafts_as_synchronous(dflash, client_factory):
+    tokens, hidden = context(97)
+    deferred = make(client_factory, dflash, ring_depth=2)
+    assert deferred.step(step("a", 0, 40, tokens, hidden, sampled=False)).deferred
+    assert deferred.step(step("a", 40, 80, tokens, hidden, sampled=False)).deferred
+    got = deferred.step(step("a", 80, 96, tokens, hidden)).drafts
+    sync = make(client_factory, dflash, ring_depth=0)
+    ref = sync.step(step("b", 0, 96, tokens, hidden)).drafts
+    assert got.shape == (1, K) and bool((got >= 0).all())
+    assert torch.equal(got, ref)
+    assert deferred.stats()["ring"]["pinned"] == torch.cuda.is_available()
+
+
+def test_full_and_topk_logits_come_back_in_request_order(dflash, client_factory):
+    tokens, hidden = context(33, seed=3)
+    full = make(client_factory, dflash, logits="full")
+    inp = StepInput(["x", "y"], [16, 16], torch.cat([torch.arange(16), torch.arange(16)]),
+                    torch.cat([tokens[:16], tokens[16:32]]), [False, True], [int(tokens[16]), int(tokens[32])],
+                    [16, 16], k=K, hidden=torch.cat([hidden[:16], hidden[16:32]]))
+    out = full.step(inp)
+    assert out.logits.shape == (2, K, VOCAB)
+    assert bool((out.logits[0] == 0).all()) and not bool((out.logits[1] == 0).all())   # x did not sample
+    assert out.drafts[0].tolist() == [-1] * K
+    assert torch.equal(out.logits[1].float().argmax(-1), out.drafts[1])
+    topk = make(client_factory, dflash, logits="topk", topk=5)
+    out = topk.step(StepInput(["z"], [16], torch.arange(16), tokens[:16], [True], [int(tokens[16])], [16],
+                              k=K, hidden=hidden[:16]))
+    assert out.extra["topk_indices"].shape == (1, K, 5) and out.extra["topk_values"].shape == (1, K, 5)
+
+
+def test_prefix_hit_reconnects_with_hidden_context(dflash, client_factory):
+    tokens, hidden = context(57, seed=5)
+    client = make(client_factory, dflash)
+    client.step(step("src", 0, 40, tokens, hidden))
+    client.finish(["src"])
+    # the target's prefix cache covers 32 tokens of "hit": only rows 32.. are computed
+    hit = client.step(step("hit", 32, 56, tokens, hidden, prompt=tokens[:56])).drafts
+    full = client.step(step("full", 0, 56, tokens, hidden)).drafts
+    assert torch.equal(hit, full) and bool((hit >= 0).all())
+    assert client.stats()["counters"]["reconnects"] == 1
+    assert client.server_stats()["errors"] == {}
+
+
+def test_prefix_hit_without_retained_context_is_disabled(dflash, client_factory):
+    tokens, hidden = context(50, seed=7)
+    client = make(client_factory, dflash)
+    out = client.step(step("cold", 32, 48, tokens, hidden, prompt=tokens[:48]))
+    assert out.drafts.tolist() == [[-1] * K] and client.is_disabled("cold")
+    assert client.stats()["counters"]["failures.cold_start"] == 1
+
+
+def test_missing_hidden_rows_are_a_typed_error(dflash, client_factory):
+    from k3_accel.transport.failures import StepInputError
+    tokens, hidden = context(20)
+    client = make(client_factory, dflash)
+    inp = step("a", 0, 16, tokens, hidden)
+    inp.hidden = None
+    with pytest.raises(StepInputError):
+        client.step(inp)
+
+
+def test_context_width_mismatch_fails_closed(dflash, client_factory):
+    client = client_factory(dflash.address, context_width=128, num_speculative_tokens=K)
+    assert client.state.value == "incompatible"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_inputs_are_staged_through_pinned_memory(dflash, client_factory):
+    tokens, hidden = context(61, seed=11)
+    client = make(client_factory, dflash, ring_depth=2)
+    assert client.ring.pinned and client.ring.slots[0].hidden.is_pinned()
+    dev = torch.device("cuda")
+    on_gpu = StepInput(["g"], [60], torch.arange(60, device=dev), tokens[:60].to(dev), [True],
+                       torch.tensor([int(tokens[60])], device=dev), torch.tensor([60], device=dev), k=K,
+                       hidden=hidden[:60].to(dev))
+    got = client.step(on_gpu).drafts
+    ref = client.step(step("c", 0, 60, tokens, hidden)).drafts
+    assert torch.equal(got, ref) and bool((got >= 0).all())
