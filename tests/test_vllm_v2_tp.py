@@ -1,0 +1,72 @@
+"""TP=2 over gloo: only rank 0 talks to the draft server; both ranks verify the same drafts.
+
+Two spawned processes join a real gloo group; vLLM's own
+``init_distributed_environment`` / ``initialize_model_parallel`` build the TP
+group (``GroupCoordinator``), the wrapped ``init_speculator`` builds the
+speculator on each rank from the same (pickled) ``VllmConfig``.
+"""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from test_comm_harness import run_ranks
+from test_vllm_v2_harness import K, expected_v2, vllm_config  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm.v1.worker.gpu.spec_decode")
+
+A = [7, 8, 9, 10, 11] * 3 + [1, 2, 3]
+B = [1, 2, 3, 4, 1, 2, 3]
+P = [5, 6, 7, 8] * 6
+
+
+def _rank(rank: int, world: int, config_bytes: bytes) -> tuple:
+    import torch
+    import vllm.v1.worker.gpu.spec_decode as spec_decode
+
+    from k3_accel.vllm import speculator_v2
+    from test_vllm_v2_harness import Sched, Sim, vllm_world
+
+    config = pickle.loads(config_bytes)
+    speculator_v2.install()
+    # rank 1 gets garbage rows: it never ships them, its drafts come from rank 0's broadcast
+    a, b, p = (A, B, P) if rank == 0 else ([0] * len(A), [0] * len(B), [0] * len(P))
+    with vllm_world(config, tp=world, rank=rank) as group:
+        sim = Sim()
+        spec = spec_decode.init_speculator(config, torch.device("cpu"), sim.req_states)
+        connected = spec.session.client is not None
+        sim.add("a", a)
+        sim.add("b", b)
+        sim.add("p", p)
+        out = [sim.dummy_propose(spec, num_reqs=2, num_tokens=16).tolist(),
+               sim.propose(spec, [Sched("a", 0, a, sampled=7), Sched("b", 0, b, sampled=4),
+                                  Sched("p", 0, p[:16], next_prompt=p[16])]).tolist(),
+               # a K=0 step (skip_drafts): context still goes out, through rank 0 only
+               sim.propose(spec, [Sched("p", 16, p[16:], sampled=5)], k=0).tolist(),
+               sim.propose(spec, [Sched("a", 18, [7, 8, 9, 99, 99], sampled=5, rejected=2, drafts=4),
+                                  Sched("p", 24, [5], sampled=6)]).tolist()]
+        stats = None
+        if connected:
+            spec.session.client.flush()
+            stats = spec.session.client.server_stats()
+        result = (group.rank_in_group, group.world_size, connected, out, stats)
+        spec.close()
+    return result
+
+
+def test_tp2_ranks_get_identical_drafts_and_only_rank0_connects(vllm_config, ngram_server):
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_DISABLE_PYNCCL": "1",
+           "VLLM_K3_DRAFT_REMOTE_ADDRESS": ngram_server.address}
+    r0, r1 = run_ranks(_rank, 2, pickle.dumps(vllm_config), env=env, timeout=300)
+    assert r0[:3] == (0, 2, True) and r1[:3] == (1, 2, False)
+    assert r0[3] == r1[3]                                   # identical drafts on both ranks, every step
+    dummy, first, k0, last = r0[3]
+    assert dummy == [[-1] * K] * 2
+    assert first == [expected_v2(A, 7), expected_v2(B, 4), [0] * K]     # p mid-prefill: no draft
+    assert k0 == [[-1] * K]                                  # K=0: the runner sets every column to -1
+    assert last == [expected_v2(A + [7, 8, 9], 5), expected_v2(P + [5], 6)]
+    stats = r0[4]
+    assert stats["ops"]["hello"] == 1                       # one client: rank 0's
+    assert stats["errors"] == {} and stats["ingested_rows"] == len(A) + len(B) + len(P) + 3 + 1
