@@ -161,12 +161,14 @@ def test_capacity_error_keeps_stored_state():
     server = ServerProcess("--engine", "ngram", "--memory-budget-mb", "1", "--max-retained-requests", "0")
     w = Wire(server.address)
     try:
-        n = (1 << 20) // 8 - 10          # 8 bytes a row: just under one MiB
+        from k3_accel.server.engines.ngram import NgramEngine
+        per_row = NgramEngine().bytes_per_row           # the server's defaults
+        n = (1 << 20) // per_row - 10                   # just under one MiB
         assert results(ingest(w, "a", 0, [1] * n))["a"]["ok"]
         reply = ingest(w, "b", 0, [2] * 100)
         assert results(reply)["b"]["code"] == "CAPACITY"
         s = stats(w)
-        assert s["active"] == 1 and s["used_bytes"] == n * 8
+        assert s["active"] == 1 and s["used_bytes"] == n * per_row
     finally:
         w.close()
         assert server.stop() == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -125,13 +125,13 @@ class DraftService:
             hidden_dtypes=list(caps.hidden_dtypes), supports_logits=caps.supports_logits,
             supports_topk=caps.supports_topk, max_requests=self.max_requests,
             max_spec_tokens=caps.max_spec_tokens, block_size=caps.block_size, vocab_size=caps.vocab_size)
-        return {"caps": asdict(server_caps), "aux_layer_ids": list(caps.aux_layer_ids),
+        return {"caps": p.to_body(server_caps), "aux_layer_ids": list(caps.aux_layer_ids),
                 "mask_token_id": caps.mask_token_id}, {}
 
     def _ingest(self, req: p.Request):
         rows = self._split_rows(req.msg.requests, req.tensors)
         results = [self._store(span.id, r) for span, r in zip(req.msg.requests, rows)]
-        return {"results": [asdict(r) for r in results]}, {}
+        return {"results": [p.to_body(r) for r in results]}, {}
 
     def _check_propose(self, msg: p.Propose) -> None:
         caps = self.engine.caps
@@ -160,7 +160,7 @@ class DraftService:
             drafts[ready] = proposal.tokens
             tensors.update(self._logits_tensors(msg, ready, proposal.logits))
             self.metrics.proposed(len(ready), int((proposal.tokens >= 0).sum()))
-        return {"results": [asdict(r) for r in results]}, tensors
+        return {"results": [p.to_body(r) for r in results]}, tensors
 
     def _check_anchor(self, item: p.ProposeItem, result: RequestResult) -> RequestResult:
         if not result.ok:

@@ -44,12 +44,16 @@ class RequestTable:
         self.budget_bytes = budget_bytes
         self.active: dict[str, RequestState] = {}
         self.retained: OrderedDict[str, RequestState] = OrderedDict()  # LRU: oldest first
+        self._rows = 0   # stored rows over active + retained requests
 
     # ---------------------------------------------------------------- lookups
     @property
     def used_bytes(self) -> int:
-        rows = sum(s.length for s in self.active.values()) + sum(s.length for s in self.retained.values())
-        return rows * self.engine.bytes_per_row
+        return self._rows * self.engine.bytes_per_row
+
+    def _evict_oldest_retained(self) -> None:
+        _, state = self.retained.popitem(last=False)
+        self._rows -= state.length
 
     def get(self, req_id: str) -> RequestState:
         state = self.active.get(req_id)
@@ -89,7 +93,7 @@ class RequestTable:
     def _reserve(self, new_rows: int) -> None:
         need = new_rows * self.engine.bytes_per_row
         while self.used_bytes + need > self.budget_bytes and self.retained:
-            self.retained.popitem(last=False)
+            self._evict_oldest_retained()
         if self.used_bytes + need > self.budget_bytes:
             raise RequestError(ErrorCode.CAPACITY,
                                f"draft memory budget exhausted: {self.used_bytes} + {need} bytes "
@@ -107,6 +111,7 @@ class RequestTable:
             self.engine.append(state.engine_state, positions, token_ids, hidden)
         except EngineError as exc:
             raise RequestError(exc.code, str(exc)) from None
+        self._rows += start + positions.numel() - state.length
         del state.tokens[start:]
         state.tokens.extend(token_ids.tolist())
 
@@ -129,15 +134,19 @@ class RequestTable:
     def free(self, req_ids: list[str], retain: bool) -> None:
         for req_id in req_ids:
             state = self.active.pop(req_id, None)
-            if state is None or not retain or self.max_retained <= 0:
+            if state is None:
+                continue
+            if not retain or self.max_retained <= 0:
+                self._rows -= state.length
                 continue
             self.retained[req_id] = state
             while len(self.retained) > self.max_retained:
-                self.retained.popitem(last=False)
+                self._evict_oldest_retained()
 
     def clear(self) -> None:
         self.active.clear()
         self.retained.clear()
+        self._rows = 0
 
     def reconnect(self, source_id: str, req_id: str, token_ids: torch.Tensor, block: int) -> int:
         """Attach ``req_id`` to a block-aligned prefix of ``source_id``; returns its length."""
@@ -156,6 +165,8 @@ class RequestTable:
             self.retained.move_to_end(source_id)
         self._reserve(length)
         forked = self.engine.fork(source.engine_state, length)
-        self.retained.pop(req_id, None)
+        for old in (self.active.pop(req_id, None), self.retained.pop(req_id, None)):
+            self._rows -= old.length if old is not None else 0
         self.active[req_id] = RequestState(req_id, forked, source.tokens[:length])
+        self._rows += length
         return length
