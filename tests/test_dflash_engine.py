@@ -141,7 +141,7 @@ def test_incremental_matches_reference(engines, dtype, atol):
     _incremental_scenario(engines[dtype], atol)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,atol", [("float32", 1e-4), ("bfloat16", 1e-2)])
 def test_incremental_matches_reference_cuda(ckpt, dtype, atol):
     draft, target = ckpt
@@ -489,7 +489,7 @@ def _vllm_available() -> bool:
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not _vllm_available(), reason="vllm not importable")
+@pytest.mark.vllm
 def test_block_logits_match_vllm_module(ckpt, engines, tmp_path):
     """vLLM's own DFlashQwen3ForCausalLM (its weight loader, fc, hidden_norm,
     fused K/V projection + k_norm + RoPE for context, Qwen3 layers, logits),

@@ -105,7 +105,7 @@ def test_context_width_mismatch_fails_closed(dflash, client_factory):
     assert client.state.value == "incompatible"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_inputs_are_staged_through_pinned_memory(dflash, client_factory):
     tokens, hidden = context(61, seed=11)
     client = make(client_factory, dflash, ring_depth=2)

@@ -163,9 +163,7 @@ def test_vllms_scheduler_already_skips_drafts_for_max_tokens_one():
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import Request
 
-    drafts_unused = getattr(Scheduler, "_drafts_unused", None)
-    if drafts_unused is None:
-        pytest.skip("this vLLM's scheduler has no _drafts_unused")
+    drafts_unused = Scheduler._drafts_unused
     one = Request(request_id="one", prompt_token_ids=[1, 2, 3, 4], sampling_params=SamplingParams(max_tokens=1),
                   pooling_params=None)
     many = Request(request_id="many", prompt_token_ids=[1, 2, 3, 4], sampling_params=SamplingParams(max_tokens=8),
