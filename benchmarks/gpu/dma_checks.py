@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from allreduce import event_times  # noqa: E402  (benchmarks/allreduce.py)
+
 MiB = 1 << 20
 
 
@@ -277,19 +280,6 @@ def main() -> int:
            note="median of 300 interleaved event-timed single calls per cell; pure NCCL as stock")
 
     return finish(report, args.out, rank)
-
-
-def event_times(fn, x, iters):
-    out = []
-    for _ in range(iters):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(x)
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / 1e3)
-    return out
 
 
 def finish(report, out_dir, rank) -> int:
