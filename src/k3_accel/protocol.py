@@ -23,7 +23,7 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Literal, Mapping, Sequence, Union
+from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
 import msgpack
 import torch
@@ -204,25 +204,40 @@ class RequestResult:
 
 
 # ------------------------------------------------------------ field checking
-def _check(value: Any, hint: Any, path: str) -> Any:
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, path)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: expected a list")
-        (item,) = typing.get_args(hint)
-        return [_check(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is Literal:
-        if value not in typing.get_args(hint):
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"{path}={value!r}: allowed {list(typing.get_args(hint))}")
-        return value
-    ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
-    if not ok:
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+
+
+def _check_type(hint: type, value: Any, path: str) -> Any:
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: expected {hint.__name__}, "
                                                  f"got {type(value).__name__}")
     return value
+
+
+def _check_list(check_item: Callable[[Any, str], Any], value: Any, path: str) -> list:
+    if not isinstance(value, list):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: expected a list")
+    return [check_item(v, f"{path}[{i}]") for i, v in enumerate(value)]
+
+
+def _check_literal(allowed: tuple, value: Any, path: str) -> Any:
+    if value not in allowed:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}={value!r}: allowed {list(allowed)}")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _checker(hint: Any) -> Callable[[Any, str], Any]:
+    """``check(value, path) -> value`` for a field's type hint, built once per hint."""
+    if dataclasses.is_dataclass(hint):
+        return functools.partial(_build, hint)
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return functools.partial(_check_list, _checker(item))
+    if origin is Literal:
+        return functools.partial(_check_literal, typing.get_args(hint))
+    return functools.partial(_check_type, hint)
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,32 +249,64 @@ def _schema(cls: type) -> tuple[tuple[str, Any, bool], ...]:
                  for f in dataclasses.fields(cls))
 
 
+@functools.lru_cache(maxsize=None)
+def _fields(cls: type) -> tuple[tuple[tuple[str, Any, Callable], ...], frozenset[str]]:
+    """``((name, exact_type, check), ...)`` and the required names of ``cls``; ``exact_type``
+    is the hint when a value of exactly that type needs no further checking, else None."""
+    fields = tuple((name, hint if hint in _SCALARS else None, _checker(hint))
+                   for name, hint, _ in _schema(cls))
+    return fields, frozenset(name for name, _, required in _schema(cls) if required)
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
     """Build dataclass ``cls`` from a mapping, rejecting missing/extra/mistyped fields."""
-    if not isinstance(data, Mapping):
+    if not isinstance(data, (dict, Mapping)):
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: expected a map")
-    schema = _schema(cls)
-    if len(data) > len(schema) or any(k not in data for k, _, req in schema if req):
-        names = {name for name, _, _ in schema}
-        extra = sorted(map(str, set(data) - names))
-        if extra:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: unexpected field(s) {extra}")
-        missing = next(k for k, _, req in schema if req and k not in data)
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: missing field '{missing}'")
-    values = {name: _check(data[name], hint, f"{path}.{name}") for name, hint, _ in schema if name in data}
+    fields, required = _fields(cls)
+    if len(data) > len(fields) or not data.keys() >= required:
+        _reject_fields(cls, data, path)
+    values = {}
+    for name, exact, check in fields:
+        if name in data:
+            value = data[name]
+            values[name] = value if type(value) is exact else check(value, f"{path}.{name}")
     if len(values) != len(data):
         extra = sorted(map(str, set(data) - set(values)))
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: unexpected field(s) {extra}")
     return cls(**values)
 
 
+def _reject_fields(cls: type, data: Mapping, path: str) -> None:
+    """Raise for the unexpected (first) or missing fields of ``data``."""
+    schema = _schema(cls)
+    extra = sorted(map(str, set(data) - {name for name, _, _ in schema}))
+    if extra:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: unexpected field(s) {extra}")
+    missing = next(k for k, _, req in schema if req and k not in data)
+    raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: missing field '{missing}'")
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(cls: type) -> tuple[str, ...] | None:
+    """The field names of a dataclass type, or None for any other type."""
+    return tuple(name for name, _, _ in _schema(cls)) if dataclasses.is_dataclass(cls) else None
+
+
 def to_body(obj: Any) -> Any:
     """A message as plain msgpack-able data (a cheap, shallow ``dataclasses.asdict``)."""
-    if dataclasses.is_dataclass(obj):
-        return {name: to_body(getattr(obj, name)) for name, _, _ in _schema(type(obj))}
-    if isinstance(obj, list):
+    cls = type(obj)
+    if cls in _SCALARS:
+        return obj
+    if cls is list:
         return [to_body(v) for v in obj]
-    return obj
+    names = _field_names(cls)
+    if names is not None:
+        body = {}
+        for name in names:
+            value = getattr(obj, name)
+            body[name] = value if type(value) in _SCALARS else to_body(value)
+        return body
+    return [to_body(v) for v in obj] if isinstance(obj, list) else obj
 
 
 def caps_from_body(body: Mapping[str, Any]) -> ServerCaps:
@@ -321,18 +368,18 @@ def _decode_tensors(specs: Sequence[TensorSpec], frames: Sequence[Any]) -> dict[
         raise ProtocolError(ErrorCode.FRAME_MISMATCH,
                             f"header lists {len(specs)} tensor(s) but {len(frames)} frame(s) follow")
     out = {}
-    for spec, frame in zip(specs, frames):
-        buf = _frame_buffer(frame)
-        if buf.nbytes != spec.nbytes:
-            raise ProtocolError(ErrorCode.FRAME_MISMATCH,
-                                f"tensor {spec.name}: frame has {buf.nbytes} bytes, header says {spec.nbytes}")
-        if spec.nbytes == 0:
-            out[spec.name] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only buffers: we never write to them
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffers: we never write to them
+        for spec, frame in zip(specs, frames):
+            buf = _frame_buffer(frame)
+            if buf.nbytes != spec.nbytes:
+                raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"tensor {spec.name}: frame has "
+                                                              f"{buf.nbytes} bytes, header says {spec.nbytes}")
+            if spec.nbytes == 0:
+                out[spec.name] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+                continue
             flat = torch.frombuffer(buf, dtype=torch.uint8)
-        out[spec.name] = flat.view(DTYPES[spec.dtype]).reshape(spec.shape)
+            out[spec.name] = flat.view(DTYPES[spec.dtype]).reshape(spec.shape)
     return out
 
 

@@ -20,6 +20,8 @@ class ServerMetrics:
         self.active = Gauge("k3_draft_active_requests", "Active requests", registry=r)
         self.retained = Gauge("k3_draft_retained_requests", "Retained (reconnectable) requests", registry=r)
         self.used_bytes = Gauge("k3_draft_state_bytes", "Bytes of per-request draft state", registry=r)
+        self._by_op: dict[str, tuple] = {}     # op -> its (messages, latency) children
+        self._by_code: dict[str, PCounter] = {}
         self.ops: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.ingested_rows = 0
@@ -28,12 +30,18 @@ class ServerMetrics:
 
     def message(self, op: str, seconds: float) -> None:
         self.ops[op] += 1
-        self._messages.labels(op).inc()
-        self._latency.labels(op).observe(seconds)
+        children = self._by_op.get(op)
+        if children is None:
+            children = self._by_op[op] = (self._messages.labels(op), self._latency.labels(op))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def error(self, code: str) -> None:
         self.errors[code] += 1
-        self._errors.labels(code).inc()
+        child = self._by_code.get(code)
+        if child is None:
+            child = self._by_code[code] = self._errors.labels(code)
+        child.inc()
 
     def rows(self, n: int) -> None:
         self.ingested_rows += n

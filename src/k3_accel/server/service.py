@@ -109,13 +109,19 @@ class DraftService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden dtype {hidden.dtype} not in {caps.hidden_dtypes}")
         return hidden
 
-    def _store(self, req_id: str, rows: Rows) -> RequestResult:
-        try:
-            self.table.store(req_id, rows.positions, rows.token_ids, rows.hidden)
-        except RequestError as exc:
-            return RequestResult(req_id, False, exc.code.value, exc.message)
-        self.metrics.rows(rows.positions.numel())
-        return RequestResult(req_id)
+    def _store_all(self, spans: list, rows: list[Rows]) -> list[RequestResult]:
+        """Store every request's rows; one result per request, rows counted once."""
+        results, stored = [], 0
+        for span, r in zip(spans, rows):
+            try:
+                self.table.store(span.id, r.positions, r.token_ids, r.hidden)
+            except RequestError as exc:
+                results.append(RequestResult(span.id, False, exc.code.value, exc.message))
+                continue
+            stored += r.positions.numel()
+            results.append(RequestResult(span.id))
+        self.metrics.rows(stored)
+        return results
 
     # ------------------------------------------------------------------ ops
     def _hello(self, req: p.Request):
@@ -130,7 +136,7 @@ class DraftService:
 
     def _ingest(self, req: p.Request):
         rows = self._split_rows(req.msg.requests, req.tensors)
-        results = [self._store(span.id, r) for span, r in zip(req.msg.requests, rows)]
+        results = self._store_all(req.msg.requests, rows)
         return {"results": [p.to_body(r) for r in results]}, {}
 
     def _check_propose(self, msg: p.Propose) -> None:
@@ -147,7 +153,7 @@ class DraftService:
         self._check_propose(msg)
         started = time.perf_counter()
         rows = self._split_rows(msg.requests, req.tensors)
-        results = [self._store(item.id, r) for item, r in zip(msg.requests, rows)]
+        results = self._store_all(msg.requests, rows)
         results = [self._check_anchor(item, res) for item, res in zip(msg.requests, results)]
         self._phases["store"] = time.perf_counter() - started
         ready = [i for i, r in enumerate(results) if r.ok]

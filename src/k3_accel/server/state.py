@@ -80,7 +80,8 @@ class RequestTable:
         if n == 0:
             return state.length
         start = int(positions[0])
-        if start < 0 or not torch.equal(positions, torch.arange(start, start + n, dtype=positions.dtype)):
+        if start < 0 or (n > 1 and not torch.equal(positions, torch.arange(start, start + n,
+                                                                           dtype=positions.dtype))):
             raise RequestError(ErrorCode.BAD_REQUEST, f"request {state.id!r}: positions are not contiguous")
         if start > state.length:
             raise RequestError(ErrorCode.CONTEXT_GAP,

@@ -19,6 +19,8 @@ while a frame for it exists.
 """
 from __future__ import annotations
 
+import weakref
+
 import logging
 import time
 from collections import OrderedDict
@@ -108,6 +110,10 @@ class Connection:
         self.stray_replies = 0
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
+        # Strong references, so that a connection dropped without close() still closes its
+        # socket before the context terminates (else zmq's term() can block forever at exit/GC).
+        self._open_socks: list[zmq.Socket] = []
+        self._teardown = weakref.finalize(self, _teardown, self._ctx, self._open_socks)
         self._frames: OrderedDict[tuple[int, int], zmq.Frame] = OrderedDict()
         self._seq = 0
         self._pending: dict[int, Pending] = {}
@@ -137,6 +143,7 @@ class Connection:
             sock.curve_secretkey = self.curve.client_secret
         sock.connect(self.address)
         self._sock = sock
+        self._open_socks.append(sock)
 
     def writable(self, timeout_s: float = 0.0) -> bool:
         """Whether a message can be queued now (a peer is connected), waiting up to ``timeout_s``."""
@@ -148,6 +155,7 @@ class Connection:
         """Close the socket (dropping queued frames) and give up every pending reply."""
         if self._sock is not None:
             self._sock.close(linger=0)
+            self._open_socks.remove(self._sock)
             self._sock = None
         pending, self._pending = list(self._pending.values()), {}
         for item in pending:
@@ -157,7 +165,7 @@ class Connection:
 
     def close(self) -> None:
         self.abandon(TransportError("connection closed"))
-        self._ctx.term()
+        self._teardown()
 
     # -------------------------------------------------------------- send
     def send(self, msg: p.Message, tensors: Mapping[str, torch.Tensor] | None = None, *,
@@ -281,3 +289,11 @@ class Connection:
         old, self.server_id = self.server_id, server_id
         if old is not None and old != server_id:
             self.on_server_id(old, server_id)
+
+
+def _teardown(ctx: zmq.Context, socks: list) -> None:
+    """Close what is still open (dropping queued frames), then end the context."""
+    for sock in socks:
+        sock.close(linger=0)
+    socks.clear()
+    ctx.term()

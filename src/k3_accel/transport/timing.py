@@ -55,8 +55,11 @@ class Telemetry:
 
     def add(self, phase: str, seconds: float) -> None:
         with self._lock:
-            self._window.setdefault(phase, PhaseStat()).add(seconds)
-            self._total.setdefault(phase, PhaseStat()).add(seconds)
+            for stats in (self._window, self._total):
+                stat = stats.get(phase)
+                if stat is None:
+                    stat = stats[phase] = PhaseStat()
+                stat.add(seconds)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -95,9 +95,9 @@ class NgramEngine(DraftEngine):
         return new
 
     def propose(self, states: list[Any], histories, anchors, k, want_logits=False) -> Proposal:
-        drafts = torch.full((len(states), k), -1, dtype=torch.int64)
-        for i, (state, anchor) in enumerate(zip(states, anchors)):
+        rows = []
+        for state, anchor in zip(states, anchors):
             found = state.propose(anchor, k, self.min_n)
-            if found:
-                drafts[i, :len(found)] = torch.tensor(found, dtype=torch.int64)
-        return Proposal(tokens=drafts)
+            rows.extend(found)
+            rows.extend([-1] * (k - len(found)))
+        return Proposal(tokens=torch.tensor(rows, dtype=torch.int64).reshape(len(states), k))
