@@ -38,6 +38,22 @@ KiB = 1 << 10
 SIZES = sorted({64 * KiB << k for k in range(13)} | {22 * MiB, 24 * MiB})  # 64 KiB .. 256 MiB
 
 
+def routing_host_ns(router_cls, x, calls: int = 20000) -> dict:
+    """Host ns per call of a DMA-less router over a no-op fallback vs the bare no-op."""
+    noop = lambda t: t  # noqa: E731
+    off = router_cls(fallback=noop, dma=None)
+    out = {}
+    for label, fn in (("bare", noop), ("router", off.all_reduce)):
+        samples = []
+        for _ in range(7):
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                fn(x)
+            samples.append((time.perf_counter_ns() - t0) / calls)
+        out[label] = statistics.median(samples)
+    return out
+
+
 def event_times(fn, x, iters):
     out = []
     for _ in range(iters):
@@ -154,18 +170,7 @@ def main() -> int:
                     raw[name][n] += event_times(backends[name], xs[name], 1)
             raw["dma"][n] += event_times(backends["dma"], xs["dma"], args.iters)
     # Host cost of routing alone (no collective): router vs its fallback, both no-ops.
-    noop = lambda t: t  # noqa: E731
-    off = type(router)(fallback=noop)
-    probe_x = inputs[SIZES[0]]
-    host_ns = {}
-    for label, fn in (("bare", noop), ("router", off.all_reduce)):
-        samples = []
-        for _ in range(7):
-            t0 = time.perf_counter_ns()
-            for _ in range(20000):
-                fn(probe_x)
-            samples.append((time.perf_counter_ns() - t0) / 20000)
-        host_ns[label] = statistics.median(samples)
+    host_ns = routing_host_ns(type(router), inputs[SIZES[0]])
     graph = {"nccl": {}, "dma": {}}
     for n in SIZES:
         graph["nccl"][n] = statistics.median(graph_times(nccl, inputs[n].clone(), args.iters))

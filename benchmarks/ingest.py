@@ -36,6 +36,7 @@ if SRC not in sys.path:
     sys.path.insert(0, SRC)
 
 from k3_accel import protocol as p  # noqa: E402
+from report import emit  # noqa: E402  (benchmarks/report.py)
 from k3_accel.transport.api import ClientSettings, StepInput  # noqa: E402
 from k3_accel.transport.client import DraftClient  # noqa: E402
 from k3_accel.transport.layout import copy_rows  # noqa: E402
@@ -285,10 +286,7 @@ def main() -> None:
            "device": str(device), "pinned": torch.cuda.is_available(),
            "params": {"iters": args.iters, "warmup": args.warmup, "gap_ms": args.gap_ms, "depth": args.depth},
            "table": table}
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(doc, args.out)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ if SRC not in sys.path:
     sys.path.insert(0, SRC)
 
 from k3_accel import protocol as p  # noqa: E402
+from report import emit  # noqa: E402  (benchmarks/report.py)
 from k3_accel.transport.api import ClientSettings, StepInput  # noqa: E402
 from k3_accel.transport.client import DraftClient  # noqa: E402
 
@@ -223,10 +224,7 @@ def main() -> None:
            "params": {"iters": args.iters, "warmup": args.warmup, "context_rows": CONTEXT,
                       "device": str(device)},
            "table": table}
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(doc, args.out)
 
 
 if __name__ == "__main__":

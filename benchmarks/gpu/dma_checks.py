@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from allreduce import event_times  # noqa: E402  (benchmarks/allreduce.py)
+from allreduce import event_times, routing_host_ns  # noqa: E402  (benchmarks/allreduce.py)
 
 MiB = 1 << 20
 
@@ -265,17 +265,7 @@ def main() -> int:
         row["router_over_stock"] = row["router_us"] / row["stock_us"]
         row["branch_over_stock"] = row["branch_us"] / row["stock_us"]
         rows.append(row)
-    noop = lambda t: t  # noqa: E731
-    off_noop = AllReduceRouter(fallback=noop, dma=None)
-    host = {}
-    for k, fn in (("bare", noop), ("router", off_noop.all_reduce)):
-        samples = []
-        for _ in range(7):
-            t0 = time.perf_counter_ns()
-            for _ in range(20000):
-                fn(base)
-            samples.append((time.perf_counter_ns() - t0) / 20000)
-        host[k] = statistics.median(samples)
+    host = routing_host_ns(AllReduceRouter, base)
     record("overhead_dma_off", True, rows=rows, host_ns_per_call=host,
            note="median of 300 interleaved event-timed single calls per cell; pure NCCL as stock")
 
