@@ -38,6 +38,15 @@ KiB = 1 << 10
 SIZES = sorted({64 * KiB << k for k in range(13)} | {22 * MiB, 24 * MiB})  # 64 KiB .. 256 MiB
 
 
+def init_torchrun():
+    """NCCL world from torchrun's env, this rank's GPU, and a gloo group (for the ring's handshake)."""
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    return rank, world, torch.device("cuda", local), dist.new_group(backend="gloo")
+
+
 def routing_host_ns(router_cls, x, calls: int = 20000) -> dict:
     """Host ns per call of a DMA-less router over a no-op fallback vs the bare no-op."""
     noop = lambda t: t  # noqa: E731
@@ -124,12 +133,7 @@ def main() -> int:
     from k3_accel.comm.router import RouterHooks, build_router
     from k3_accel.comm.threshold import DmaThreshold
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    gloo = dist.new_group(backend="gloo")
+    rank, world, device, gloo = init_torchrun()
     max_bytes = max(SIZES)
 
     def nccl(t):

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from allreduce import event_times, routing_host_ns  # noqa: E402  (benchmarks/allreduce.py)
+from allreduce import event_times, init_torchrun, routing_host_ns  # noqa: E402  (benchmarks/allreduce.py)
 
 MiB = 1 << 20
 
@@ -48,12 +48,7 @@ def main() -> int:
     from k3_accel.comm.router import AllReduceRouter, RouterHooks, build_router
     from k3_accel.comm.threshold import DmaThreshold
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    gloo = dist.new_group(backend="gloo")
+    rank, world, device, gloo = init_torchrun()
     dist.all_reduce(torch.ones(1, device=device))
     report: dict = {"world_size": world, "device": torch.cuda.get_device_name(device), "checks": {}}
     checks = report["checks"]

@@ -120,10 +120,6 @@ class Connection:
 
     # ------------------------------------------------------------ socket
     @property
-    def is_open(self) -> bool:
-        return self._sock is not None
-
-    @property
     def in_flight(self) -> int:
         return len(self._pending)
 

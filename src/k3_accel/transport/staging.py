@@ -116,10 +116,6 @@ class StagingRing:
             self._cond.wait(timeout)
 
     # ------------------------------------------------------------- acquire
-    def peek(self) -> Slot:
-        """The slot the next :meth:`acquire` returns."""
-        return self.slots[self._next]
-
     def acquire(self, deadline: float, progress: Callable[[Slot, float], None]) -> tuple[Slot, bool]:
         """The next slot once it is free; ``(slot, waited)``.
 
