@@ -1,0 +1,151 @@
+"""A fixed pool of context blocks and the per-request block tables over it.
+
+The pool is the draft server's only memory budget: an engine sizes it once
+at start (blocks of ``block_rows`` context rows) and every request's context
+lives in blocks it holds through a :class:`BlockTable`. Growing, rewinding,
+forking and releasing a request only edit block tables; forks share full
+blocks (reference counts) and copy at most a partial last block. A table
+never writes into a block it shares: :meth:`BlockPool.writable` swaps such
+a block for a private copy first (copy on write).
+
+No tensors here: an engine that stores rows in blocks passes a
+``copy_block(src, dst, rows)`` callback; one that stores nothing in them
+(ngram) uses the pool for accounting only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+CopyBlock = Callable[[int, int, int], None]   # (src block, dst block, rows to copy)
+
+
+class PoolExhausted(Exception):
+    """Not enough free blocks; nothing was changed."""
+
+    def __init__(self, need: int, free: int):
+        super().__init__(f"{need} block(s) needed, {free} free")
+        self.need, self.free = need, free
+
+
+@dataclass(eq=False)
+class BlockTable:
+    """One request's context: rows ``0..length-1`` live in ``blocks`` in order."""
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_rows: int):
+        if num_blocks < 1 or block_rows < 1:
+            raise ValueError(f"a pool needs >= 1 block of >= 1 row, got {num_blocks} x {block_rows}")
+        self.num_blocks, self.block_rows = num_blocks, block_rows
+        self._refs = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
+
+    # ------------------------------------------------------------- counts
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, rows: int) -> int:
+        return -(-rows // self.block_rows)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+    def blocks_needed(self, table: BlockTable, start: int, count: int) -> int:
+        """Free blocks the pool must have for a table to hold rows ``start .. start+count-1``
+        after a rewind to ``start`` (blocks the rewind itself frees are counted as free)."""
+        if not 0 <= start <= table.length:
+            raise ValueError(f"rows start at {start}, the table holds {table.length}")
+        if count <= 0:
+            return 0
+        keep = self.blocks_for(start)              # blocks still holding rows below ``start``
+        need = self.blocks_for(start + count) - keep
+        if start % self.block_rows and self._refs[table.blocks[keep - 1]] > 1:
+            need += 1                              # the partial block is shared: it gets copied
+        freed = sum(self._refs[b] == 1 for b in table.blocks[keep:])
+        return max(0, need - freed)
+
+    # --------------------------------------------------------- primitives
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PoolExhausted(n, len(self._free))
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._refs[b] = 1
+        return out
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+            elif self._refs[b] < 0:
+                raise AssertionError(f"block {b} released more often than held")
+
+    # ------------------------------------------------------ table editing
+    def truncate(self, table: BlockTable, length: int) -> None:
+        """Keep rows ``0..length-1``; blocks past them go back to the pool."""
+        if not 0 <= length <= table.length:
+            raise ValueError(f"cannot truncate {table.length} rows to {length}")
+        keep = self.blocks_for(length)
+        self.release_blocks(table.blocks[keep:])
+        del table.blocks[keep:]
+        table.length = length
+
+    def extend(self, table: BlockTable, start: int, count: int, copy_block: CopyBlock | None = None
+               ) -> list[tuple[int, int]]:
+        """Rewind to ``start`` and make room for ``count`` more rows; returns the
+        ``(block, row_in_block)`` slot of each new row. Raises :class:`PoolExhausted`
+        (nothing changed) when the pool is short."""
+        need = self.blocks_needed(table, start, count)
+        if need > len(self._free):
+            raise PoolExhausted(need, len(self._free))
+        self.truncate(table, start)
+        if count <= 0:
+            return []
+        if start % self.block_rows:
+            self._own_last(table, copy_block)
+        end = start + count
+        table.blocks.extend(self.allocate(self.blocks_for(end) - len(table.blocks)))
+        table.length = end
+        r = self.block_rows
+        return [(table.blocks[row // r], row % r) for row in range(start, end)]
+
+    def _own_last(self, table: BlockTable, copy_block: CopyBlock | None) -> None:
+        """Copy a shared partial last block before rows are written into it."""
+        last = table.blocks[-1]
+        if self._refs[last] == 1:
+            return
+        (fresh,) = self.allocate(1)
+        if copy_block is not None:
+            copy_block(last, fresh, table.length % self.block_rows)
+        self.release_blocks([last])
+        table.blocks[-1] = fresh
+
+    def fork(self, table: BlockTable, length: int, copy_block: CopyBlock | None = None) -> BlockTable:
+        """A new table over rows ``0..length-1`` of ``table``: full blocks shared, a
+        partial last block copied. Raises :class:`PoolExhausted` when it needs a block."""
+        if not 0 <= length <= table.length:
+            raise ValueError(f"cannot fork {length} of {table.length} rows")
+        full, partial = divmod(length, self.block_rows)
+        shared = table.blocks[:full]
+        copied = self.allocate(1) if partial else []
+        for b in shared:
+            self._refs[b] += 1
+        if partial and copy_block is not None:
+            copy_block(table.blocks[full], copied[0], partial)
+        return BlockTable(shared + copied, length)
+
+    def fork_needed(self, length: int) -> int:
+        return 1 if length % self.block_rows else 0
+
+    def release(self, table: BlockTable) -> None:
+        self.release_blocks(table.blocks)
+        table.blocks, table.length = [], 0
