@@ -1,103 +1,10 @@
-"""Shared fixtures: a real draft-server subprocess and a bare wire client."""
+"""Suite-wide rules: environment-based deselection (never a silent skip) and the common fixtures."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
-
 import pytest
-import zmq
 
-from k3_accel import protocol as p
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-class ServerProcess:
-    """``k3-draft-server`` as a child process on free loopback ports."""
-
-    def __init__(self, *args: str, ready: bool = True):
-        self.port, self.http_port = free_port(), free_port()
-        env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        cmd = [sys.executable, "-m", "k3_accel.server.cli", "--port", str(self.port),
-               "--http-port", str(self.http_port), *args]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.address = f"tcp://127.0.0.1:{self.port}"
-        if ready:
-            self.wait_ready()
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()}")
-            try:
-                if http_get(self.http_port, "/readyz")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("draft server did not become ready")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            return self.proc.wait(15)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-
-
-class Wire:
-    """A bare DEALER speaking the protocol: one request, one reply (for server tests)."""
-
-    def __init__(self, address: str, timeout_ms: int = 10000, **sockopts):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        for opt, value in sockopts.items():
-            setattr(self.sock, opt, value)
-        self.sock.connect(address)
-        self.timeout_ms = timeout_ms
-        self.seq = 0
-
-    def send_frames(self, frames: list) -> None:
-        self.sock.send_multipart(frames)
-
-    def recv(self) -> p.Reply:
-        if not self.sock.poll(self.timeout_ms):
-            raise TimeoutError("no reply")
-        return p.decode_reply(self.sock.recv_multipart())
-
-    def call(self, msg, tensors=None) -> p.Reply:
-        self.seq += 1
-        self.send_frames(p.encode_request(self.seq, msg, tensors))
-        reply = self.recv()
-        assert reply.seq == self.seq
-        return reply
-
-    def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
+from helpers.server import ServerProcess
+from helpers.wire import Wire
 
 
 def _capabilities() -> dict[str, str | None]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from k3_accel.server.engines.ngram import NgramEngine, lookup
+from helpers.oracles import ngram_lookup as lookup
+from k3_accel.server.engines.base import IngestBatch, ProposeBatch
+from k3_accel.server.engines.ngram import NgramEngine
 
 
 def test_longest_suffix_match_wins():
@@ -25,34 +27,58 @@ def test_min_n_is_respected():
     assert lookup([1, 9, 1], 2, 1, 3) == [9, 1]
 
 
-def _state(engine, tokens):
-    state = engine.new_state()
-    engine.append(state, None, torch.tensor(tokens, dtype=torch.int64), None)
-    return state
+def ingest(engine, state, start, tokens):
+    engine.ingest(IngestBatch([state], [start], [len(tokens)], torch.arange(start, start + len(tokens)),
+                              torch.tensor(tokens, dtype=torch.int64)))
+
+
+def propose(engine, states, anchors, k):
+    return engine.propose(ProposeBatch(states, [], torch.tensor(anchors), k)).tokens
 
 
 def test_engine_pads_with_minus_one():
     engine = NgramEngine(max_spec_tokens=8)
-    states = [_state(engine, [1, 2, 1]), _state(engine, [5, 6])]
-    prop = engine.propose(states, [[1, 2, 1], [5, 6]], [2, 7], k=4)
-    assert prop.tokens.dtype == torch.int64
-    assert prop.tokens.tolist() == [[1, 2, -1, -1], [-1, -1, -1, -1]]
+    a, b = engine.new_state(), engine.new_state()
+    ingest(engine, a, 0, [1, 2, 1])
+    ingest(engine, b, 0, [5, 6])
+    tokens = propose(engine, [a, b], [2, 7], 4)
+    assert tokens.dtype == torch.int64
+    assert tokens.tolist() == [[1, 2, -1, -1], [-1, -1, -1, -1]]
+
+
+def test_pool_accounting_follows_rows_and_returns_every_block():
+    engine = NgramEngine(block_size=4, budget_bytes=10 * 4 * 32)   # 10 blocks of 4 rows (32 B/row)
+    assert engine.pool.num_blocks == 10
+    a = engine.new_state()
+    ingest(engine, a, 0, list(range(9)))                          # 3 blocks
+    fork = engine.fork(a, 6)                                      # 1 shared + 1 copied partial
+    assert engine.pool.free_blocks == 10 - 3 - 1
+    ingest(engine, a, 2, [7, 7])                                  # rewind into the shared first block
+    assert propose(engine, [a], [7], 2).tolist() == [lookup([0, 1, 7, 7, 7], 2) + [-1]]   # 0 1 7 7 | 7
+    assert propose(engine, [fork], [3], 2).tolist() == [[4, 5]]   # the fork still holds 0..5 | 3
+    engine.release(a)
+    engine.release(fork)
+    assert engine.pool.free_blocks == 10
 
 
 @settings(max_examples=300, deadline=None)
 @given(tokens=st.lists(st.integers(0, 4), min_size=1, max_size=40), anchor=st.integers(0, 4),
        cut=st.integers(0, 40), k=st.integers(1, 6), min_n=st.integers(1, 2), extra=st.integers(0, 2))
-def test_indexed_engine_equals_reference_after_appends_truncate_and_fork(tokens, anchor, cut, k, min_n, extra):
-    engine = NgramEngine(min_n=min_n, max_n=min_n + extra)
+def test_indexed_engine_equals_reference_after_appends_rewind_and_fork(tokens, anchor, cut, k, min_n, extra):
+    engine = NgramEngine(min_n=min_n, max_n=min_n + extra, block_size=4, budget_bytes=1 << 20)
     state = engine.new_state()
     for lo in range(0, len(tokens), 7):            # rows arrive in chunks
-        engine.append(state, None, torch.tensor(tokens[lo:lo + 7]), None)
+        ingest(engine, state, lo, tokens[lo:lo + 7])
     want = lookup([*tokens, anchor], k, min_n, min_n + extra)
-    assert engine.propose([state], [tokens], [anchor], k).tokens[0, :len(want)].tolist() == want
+    assert propose(engine, [state], [anchor], k)[0, :len(want)].tolist() == want
     cut = min(cut, len(tokens))
     fork = engine.fork(state, cut)
-    engine.truncate(state, cut)
+    ingest(engine, state, cut, [])                 # a rewind with no new rows
+    assert engine.length(state) == engine.length(fork) == cut
     want = lookup([*tokens[:cut], anchor], k, min_n, min_n + extra)
     for s in (state, fork):
-        got = engine.propose([s], [tokens[:cut]], [anchor], k).tokens[0].tolist()
+        got = propose(engine, [s], [anchor], k)[0].tolist()
         assert got[:len(want)] == want and all(t == -1 for t in got[len(want):])
+    engine.release(state)
+    engine.release(fork)
+    assert engine.pool.free_blocks == engine.pool.num_blocks

@@ -1,39 +1,45 @@
-"""The target <-> draft-server wire protocol: typed messages and their encoding.
+"""The target <-> draft-server wire protocol, version 2: columnar batches.
 
-A message is a multipart ZMQ message. Frame 0 is a msgpack map::
+A request is a multipart ZMQ message. Frame 0 is a msgpack array
+``[v, seq, msg]`` where ``msg`` is one of the tagged, array-encoded message
+structs below (decoded and type-checked by msgspec); the op's tensors follow
+as raw frames, in a fixed order with shapes implied by the header:
 
-    {"v": PROTOCOL_VERSION, "op": str, "seq": int, "body": {...},
-     "tensors": [[name, dtype, shape, nbytes], ...]}
+- ``ingest``  ``meta int64 [n, 3]`` (handle, start, count) | ``tokens int64 [rows]`` | ``hidden [rows, width]``
+- ``propose`` ``meta int64 [n, 4]`` (handle, start, count, anchor) | ``tokens`` | ``hidden``
+- ``reconnect`` ``tokens int64 [length]``
 
-and frames 1..n are the raw bytes of the tensors, in the order listed.
-A reply has the same shape with ``op == "reply"`` and, in ``body``,
-``ok``, ``server_id``, ``error`` (``{"code", "message"}`` or None) and the
-op's result. The sequence number of a request is echoed by its reply.
+Request ``i`` owns the next ``count`` rows, which sit at positions
+``start .. start+count-1``; a propose's anchor sits at ``start + count``.
+Requests are integer *handles* chosen by the client (never reused within its
+session); their state lives in the namespace of the session the client
+declared in ``hello``. ``hidden`` is empty when the header's ``hidden`` is "".
 
-Context rows (ingest and propose) travel as three row-aligned tensors
-``positions [N] int64``, ``token_ids [N] int64`` and optionally
-``hidden [N, W]``; ``requests[i].count`` rows belong to request i, in order.
+A reply is ``[v, seq, ok, server_id, error, failures, result, tensors]``
+(:class:`ReplyHeader`) plus raw frames listed in ``tensors`` as
+``[name, dtype, shape]``. ``failures`` lists ``[i, code, message]`` for the
+requests of a batch that failed on their own; the others succeeded.
+A version-1 peer gets ``BAD_VERSION`` in version-1 framing.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-import typing
 import warnings
-from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Literal, Mapping, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import msgpack
+import msgspec
+import numpy as np
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = (2,)
 DEFAULT_MAX_MESSAGE_BYTES = 2 << 30  # 2 GiB
 
 
 class ErrorCode(str, Enum):
-    BAD_FRAME = "BAD_FRAME"                  # frame 0 is not a msgpack map
+    BAD_FRAME = "BAD_FRAME"                  # frame 0 is not a message
     BAD_VERSION = "BAD_VERSION"
     UNKNOWN_OP = "UNKNOWN_OP"
     BAD_FIELD = "BAD_FIELD"                  # missing / extra / mistyped field
@@ -41,13 +47,15 @@ class ErrorCode(str, Enum):
     TOO_LARGE = "TOO_LARGE"
     NON_FINITE = "NON_FINITE"                # NaN / Inf in hidden rows
     BAD_REQUEST = "BAD_REQUEST"              # well-formed but inconsistent
-    CONTEXT_GAP = "CONTEXT_GAP"              # positions skip past the stored context
+    CONTEXT_GAP = "CONTEXT_GAP"              # rows start past the stored context
     UNKNOWN_REQUEST = "UNKNOWN_REQUEST"
     PREFIX_MISMATCH = "PREFIX_MISMATCH"
-    CAPACITY = "CAPACITY"                    # memory budget exhausted
+    CAPACITY = "CAPACITY"                    # the pool cannot hold the rows
     TOO_MANY_REQUESTS = "TOO_MANY_REQUESTS"
     K_TOO_LARGE = "K_TOO_LARGE"
     UNSUPPORTED = "UNSUPPORTED"
+    NO_SESSION = "NO_SESSION"                # no hello on this connection yet
+    NOT_OWNER = "NOT_OWNER"                  # the session belongs to another client key
     SHUTTING_DOWN = "SHUTTING_DOWN"
     INTERNAL = "INTERNAL"
 
@@ -68,6 +76,7 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -78,242 +87,113 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 # ------------------------------------------------------------------- messages
-@dataclass(frozen=True)
-class ServerCaps:
+class _Msg(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class Hello(_Msg, tag="hello"):
+    session: str                 # the namespace key: secret, stable across this client's reconnects
+    client: str = ""             # a label for logs and metrics
+
+
+class Ingest(_Msg, tag="ingest"):
+    n: int                       # requests (rows of meta)
+    rows: int                    # context rows in all
+    hidden: str = ""             # dtype of the hidden frame, "" = none
+    width: int = 0
+
+
+class Propose(_Msg, tag="propose"):
+    k: int
+    n: int
+    rows: int
+    hidden: str = ""
+    width: int = 0
+    logits: str = "none"         # none | full | topk
+    topk: int = 0
+
+
+class Free(_Msg, tag="free"):
+    handles: list[int]
+    retain: bool = True          # keep the context as a reconnect source
+
+
+class Clear(_Msg, tag="clear"):
+    pass
+
+
+class Reconnect(_Msg, tag="reconnect"):
+    """Give ``handle`` the context whose tokens are the ``tokens`` frame, reusing the
+    longest matching context the namespace holds (the request's own retained one
+    included); the rest is rebuilt from the tokens when the engine needs no hidden rows."""
+    handle: int
+    length: int
+
+
+class Ping(_Msg, tag="ping"):
+    pass
+
+
+class Bye(_Msg, tag="bye"):
+    """Free everything of this session and end it."""
+
+
+class Stats(_Msg, tag="stats"):
+    pass
+
+
+Message = Union[Hello, Ingest, Propose, Free, Clear, Reconnect, Ping, Bye, Stats]
+OPS = {cls.__struct_config__.tag: cls for cls in Message.__args__}
+ROW_OPS = (Ingest, Propose)
+META_COLUMNS = {Ingest: 3, Propose: 4}
+
+
+class _Envelope(msgspec.Struct, array_like=True):
+    v: int
+    seq: int
+    msg: Message
+
+
+class Caps(msgspec.Struct, frozen=True, kw_only=True):
+    """What a server offers (the ``hello`` result). New fields get defaults."""
     engine: str
     needs_hidden_states: bool
     context_width: int
     hidden_dtypes: list[str]
     supports_logits: bool
     supports_topk: bool
-    max_requests: int
     max_spec_tokens: int
     block_size: int
     vocab_size: int
+    hidden_size: int = 0
+    aux_layer_ids: list[int] = []
+    mask_token_id: int = -1
+    max_requests: int = 0                # active requests per session
+    max_requests_total: int = 0          # active requests over all sessions
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    pool_blocks: int = 0
+    pool_bytes: int = 0
+    lease_s: float = 0.0                 # idle time after which a session is reclaimed (0 = never)
     protocol: int = PROTOCOL_VERSION
 
 
-@dataclass(frozen=True)
-class Hello:
-    client: str = ""
-
-
-@dataclass(frozen=True)
-class RowSpan:
-    """``count`` consecutive context rows of one request."""
-    id: str
-    count: int
-
-
-@dataclass(frozen=True)
-class Ingest:
-    requests: list[RowSpan]
-
-
-@dataclass(frozen=True)
-class ProposeItem:
-    id: str
-    count: int               # new context rows for this request (may be 0)
-    anchor_token: int        # token at anchor_position (just sampled / next prompt token)
-    anchor_position: int     # must equal the request's context length after the new rows
-
-
-@dataclass(frozen=True)
-class Propose:
-    k: int
-    requests: list[ProposeItem]
-    logits: Literal["none", "full", "topk"] = "none"
-    topk: int = 0
-
-
-@dataclass(frozen=True)
-class Free:
-    ids: list[str]
-    retain: bool = True      # keep the context for a later reconnect
-
-
-@dataclass(frozen=True)
-class Clear:
-    pass
-
-
-@dataclass(frozen=True)
-class Reconnect:
-    """Attach ``id`` to the first ``length`` rows of ``source`` (tensor ``token_ids``)."""
-    source: str
-    id: str
-    length: int
-
-
-@dataclass(frozen=True)
-class Stats:
-    pass
-
-
-Message = Union[Hello, Ingest, Propose, Free, Clear, Reconnect, Stats]
-OPS: dict[str, type] = {"hello": Hello, "ingest": Ingest, "propose": Propose, "free": Free,
-                        "clear": Clear, "reconnect": Reconnect, "stats": Stats}
-_OP_NAMES = {cls: name for name, cls in OPS.items()}
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-    def as_list(self) -> list:
-        return [self.name, self.dtype, list(self.shape), self.nbytes]
-
-
-@dataclass
-class Request:
-    seq: int
-    msg: Any
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def op(self) -> str:
-        return _OP_NAMES[type(self.msg)]
-
-
-@dataclass
-class Reply:
+class ReplyHeader(msgspec.Struct, array_like=True):
+    v: int
     seq: int
     ok: bool
     server_id: str
-    body: dict[str, Any] = field(default_factory=dict)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    error: dict[str, str] | None = None
-
-    def raise_for_error(self) -> "Reply":
-        if not self.ok:
-            err = self.error or {}
-            raise ProtocolError(err.get("code", "INTERNAL"), err.get("message", ""), self.seq)
-        return self
+    error: Optional[tuple[str, str]] = None          # (code, message)
+    failures: list[tuple[int, str, str]] = []        # (request index, code, message)
+    result: Any = None
+    tensors: list[tuple[str, str, list[int]]] = []   # (name, dtype, shape) of each frame
 
 
-@dataclass(frozen=True)
-class RequestResult:
-    """Per-request outcome inside an ok reply."""
-    id: str
-    ok: bool = True
-    code: str | None = None
-    message: str | None = None
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(_Envelope)
+_reply_decoder = msgspec.msgpack.Decoder(ReplyHeader)
 
 
-# ------------------------------------------------------------ field checking
-_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
-
-
-def _check_type(hint: type, value: Any, path: str) -> Any:
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: expected {hint.__name__}, "
-                                                 f"got {type(value).__name__}")
-    return value
-
-
-def _check_list(check_item: Callable[[Any, str], Any], value: Any, path: str) -> list:
-    if not isinstance(value, list):
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: expected a list")
-    return [check_item(v, f"{path}[{i}]") for i, v in enumerate(value)]
-
-
-def _check_literal(allowed: tuple, value: Any, path: str) -> Any:
-    if value not in allowed:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}={value!r}: allowed {list(allowed)}")
-    return value
-
-
-@functools.lru_cache(maxsize=None)
-def _checker(hint: Any) -> Callable[[Any, str], Any]:
-    """``check(value, path) -> value`` for a field's type hint, built once per hint."""
-    if dataclasses.is_dataclass(hint):
-        return functools.partial(_build, hint)
-    origin = typing.get_origin(hint)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return functools.partial(_check_list, _checker(item))
-    if origin is Literal:
-        return functools.partial(_check_literal, typing.get_args(hint))
-    return functools.partial(_check_type, hint)
-
-
-@functools.lru_cache(maxsize=None)
-def _schema(cls: type) -> tuple[tuple[str, Any, bool], ...]:
-    """(name, type hint, required) per field of a message dataclass, computed once."""
-    hints = typing.get_type_hints(cls)
-    return tuple((f.name, hints[f.name],
-                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-                 for f in dataclasses.fields(cls))
-
-
-@functools.lru_cache(maxsize=None)
-def _fields(cls: type) -> tuple[tuple[tuple[str, Any, Callable], ...], frozenset[str]]:
-    """``((name, exact_type, check), ...)`` and the required names of ``cls``; ``exact_type``
-    is the hint when a value of exactly that type needs no further checking, else None."""
-    fields = tuple((name, hint if hint in _SCALARS else None, _checker(hint))
-                   for name, hint, _ in _schema(cls))
-    return fields, frozenset(name for name, _, required in _schema(cls) if required)
-
-
-def _build(cls: type, data: Any, path: str) -> Any:
-    """Build dataclass ``cls`` from a mapping, rejecting missing/extra/mistyped fields."""
-    if not isinstance(data, (dict, Mapping)):
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: expected a map")
-    fields, required = _fields(cls)
-    if len(data) > len(fields) or not data.keys() >= required:
-        _reject_fields(cls, data, path)
-    values = {}
-    for name, exact, check in fields:
-        if name in data:
-            value = data[name]
-            values[name] = value if type(value) is exact else check(value, f"{path}.{name}")
-    if len(values) != len(data):
-        extra = sorted(map(str, set(data) - set(values)))
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: unexpected field(s) {extra}")
-    return cls(**values)
-
-
-def _reject_fields(cls: type, data: Mapping, path: str) -> None:
-    """Raise for the unexpected (first) or missing fields of ``data``."""
-    schema = _schema(cls)
-    extra = sorted(map(str, set(data) - {name for name, _, _ in schema}))
-    if extra:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: unexpected field(s) {extra}")
-    missing = next(k for k, _, req in schema if req and k not in data)
-    raise ProtocolError(ErrorCode.BAD_FIELD, f"{path}: missing field '{missing}'")
-
-
-@functools.lru_cache(maxsize=None)
-def _field_names(cls: type) -> tuple[str, ...] | None:
-    """The field names of a dataclass type, or None for any other type."""
-    return tuple(name for name, _, _ in _schema(cls)) if dataclasses.is_dataclass(cls) else None
-
-
-def to_body(obj: Any) -> Any:
-    """A message as plain msgpack-able data (a cheap, shallow ``dataclasses.asdict``)."""
-    cls = type(obj)
-    if cls in _SCALARS:
-        return obj
-    if cls is list:
-        return [to_body(v) for v in obj]
-    names = _field_names(cls)
-    if names is not None:
-        body = {}
-        for name in names:
-            value = getattr(obj, name)
-            body[name] = value if type(value) in _SCALARS else to_body(value)
-        return body
-    return [to_body(v) for v in obj] if isinstance(obj, list) else obj
-
-
-def caps_from_body(body: Mapping[str, Any]) -> ServerCaps:
-    return _build(ServerCaps, body, "caps")
-
-
-# ------------------------------------------------------------------- tensors
+# ------------------------------------------------------------------ frames
 def tensor_frame(t: torch.Tensor) -> memoryview:
     """A zero-copy view of a contiguous CPU tensor's bytes (pinned memory included)."""
     if t.device.type != "cpu" or not t.is_contiguous():
@@ -321,139 +201,194 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
 
 
-def _specs_and_frames(tensors: Mapping[str, torch.Tensor]) -> tuple[list, list]:
-    specs, frames = [], []
-    for name, t in tensors.items():
-        t = t if t.is_contiguous() else t.contiguous()
-        specs.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape),
-                                t.numel() * t.element_size()).as_list())
-        frames.append(tensor_frame(t))
-    return specs, frames
-
-
-def _parse_specs(raw: Any, max_bytes: int) -> list[TensorSpec]:
-    if not isinstance(raw, list):
-        raise ProtocolError(ErrorCode.BAD_FIELD, "tensors: expected a list")
-    specs, total, names = [], 0, set()
-    for i, item in enumerate(raw):
-        if not (isinstance(item, list) and len(item) == 4):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"tensors[{i}]: expected [name, dtype, shape, nbytes]")
-        name, dtype, shape, nbytes = item
-        if not isinstance(name, str) or name in names:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"tensors[{i}]: bad or duplicate name {name!r}")
-        if dtype not in DTYPES:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"tensors[{i}] ({name}): dtype {dtype!r} not in {list(DTYPES)}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"tensors[{i}] ({name}): bad shape {shape!r}")
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"tensors[{i}] ({name}): bad nbytes {nbytes!r}")
-        expected = math.prod(shape) * DTYPES[dtype].itemsize
-        if nbytes != expected:
-            raise ProtocolError(ErrorCode.FRAME_MISMATCH,
-                                f"tensor {name}: nbytes {nbytes} != shape {shape} x {dtype} = {expected}")
-        total += nbytes
-        if total > max_bytes:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"tensors declare more than {max_bytes} bytes")
-        names.add(name)
-        specs.append(TensorSpec(name, dtype, tuple(shape), nbytes))
-    return specs
-
-
-def _frame_buffer(frame: Any) -> memoryview:
+def frame_bytes(frame: Any) -> memoryview:
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
-def _decode_tensors(specs: Sequence[TensorSpec], frames: Sequence[Any]) -> dict[str, torch.Tensor]:
-    if len(frames) != len(specs):
+def frame_tensor(frame: Any, dtype: torch.dtype, shape: Sequence[int], what: str) -> torch.Tensor:
+    """A (read-only, zero-copy) tensor over a frame; FRAME_MISMATCH if the size is wrong."""
+    buf = frame_bytes(frame)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if buf.nbytes != nbytes:
         raise ProtocolError(ErrorCode.FRAME_MISMATCH,
-                            f"header lists {len(specs)} tensor(s) but {len(frames)} frame(s) follow")
-    out = {}
+                            f"{what}: frame has {buf.nbytes} bytes, header implies {nbytes}")
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only buffers: we never write to them
-        for spec, frame in zip(specs, frames):
-            buf = _frame_buffer(frame)
-            if buf.nbytes != spec.nbytes:
-                raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"tensor {spec.name}: frame has "
-                                                              f"{buf.nbytes} bytes, header says {spec.nbytes}")
-            if spec.nbytes == 0:
-                out[spec.name] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-                continue
-            flat = torch.frombuffer(buf, dtype=torch.uint8)
-            out[spec.name] = flat.view(DTYPES[spec.dtype]).reshape(spec.shape)
-    return out
+        warnings.simplefilter("ignore")  # read-only buffers: never written to
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
 
 
-# ------------------------------------------------------------------ encoding
-def _header(op: str, seq: int, body: Mapping[str, Any], specs: list) -> bytes:
-    return msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "seq": seq, "body": body,
-                          "tensors": specs}, use_bin_type=True)
+def frame_array(frame: Any, dtype: np.dtype, shape: Sequence[int], what: str) -> np.ndarray:
+    buf = frame_bytes(frame)
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if buf.nbytes != nbytes:
+        raise ProtocolError(ErrorCode.FRAME_MISMATCH,
+                            f"{what}: frame has {buf.nbytes} bytes, header implies {nbytes}")
+    return np.frombuffer(buf, dtype=dtype).reshape(tuple(shape))
 
 
-def encode_request(seq: int, msg: Message, tensors: Mapping[str, torch.Tensor] | None = None) -> list:
-    """Frames for a request; tensor frames are zero-copy views (keep tensors alive until sent)."""
-    specs, frames = _specs_and_frames(tensors or {})
-    return [_header(_OP_NAMES[type(msg)], seq, to_body(msg), specs), *frames]
+# ---------------------------------------------------------------- requests
+class Request(msgspec.Struct):
+    """A decoded request. For row ops: ``meta`` ``[n, 3|4]`` int64, ``tokens`` ``[rows]``
+    int64 (numpy, read-only), ``hidden`` ``[rows, width]`` tensor or None."""
+    seq: int
+    msg: Any
+    meta: Optional[np.ndarray] = None
+    tokens: Optional[np.ndarray] = None
+    hidden: Optional[torch.Tensor] = None
+
+    @property
+    def op(self) -> str:
+        return self.msg.__struct_config__.tag
 
 
-def encode_reply(reply: Reply) -> list:
-    specs, frames = _specs_and_frames(reply.tensors)
-    body = {"ok": reply.ok, "server_id": reply.server_id, "error": reply.error, **reply.body}
-    return [_header("reply", reply.seq, body, specs), *frames]
+def encode_request(seq: int, msg: Message, *frames: Any) -> list:
+    """Frames of a request: the header, then the op's frames (memoryviews or bytes, sent as given)."""
+    return [_encoder.encode((PROTOCOL_VERSION, seq, msg)), *frames]
 
 
-def error_reply(seq: int, server_id: str, code: ErrorCode | str, message: str) -> Reply:
-    return Reply(seq=seq, ok=False, server_id=server_id,
-                 error={"code": ErrorCode(code).value, "message": message})
-
-
-def _unpack_header(frames: Sequence[Any], max_bytes: int) -> tuple[dict, list[TensorSpec], int]:
-    if not frames:
-        raise ProtocolError(ErrorCode.BAD_FRAME, "empty message")
-    raw = bytes(_frame_buffer(frames[0]))
+def _peek_version(raw: bytes) -> tuple[Any, int]:
+    """(version, seq) of a frame 0 that did not decode as v2, for a useful error."""
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame 0 is not msgpack: {type(exc).__name__}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError(ErrorCode.BAD_FRAME, "frame 0 is not a msgpack map")
-    seq = header.get("seq", -1)
-    seq = seq if isinstance(seq, int) and not isinstance(seq, bool) else -1
-    if header.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(ErrorCode.BAD_VERSION,
-                            f"protocol version {header.get('v')!r}, this side speaks {PROTOCOL_VERSION}", seq)
-    expected = {"v", "op", "seq", "body", "tensors"}
-    if set(header) != expected:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"header fields {sorted(map(str, header))}, "
-                                                 f"expected {sorted(expected)}", seq)
-    try:
-        specs = _parse_specs(header["tensors"], max_bytes)
-    except ProtocolError as exc:
-        exc.seq = seq
-        raise
-    return header, specs, seq
+        head = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception:  # noqa: BLE001 - any garbage
+        return None, -1
+    if isinstance(head, dict):
+        seq = head.get("seq", -1)
+        return head.get("v"), seq if isinstance(seq, int) and not isinstance(seq, bool) else -1
+    if isinstance(head, list) and len(head) >= 2:
+        seq = head[1] if isinstance(head[1], int) and not isinstance(head[1], bool) else -1
+        return head[0], seq
+    return None, -1
 
 
 def decode_request(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Request:
-    """Parse and validate a request; raises :class:`ProtocolError` (with the seq when known)."""
-    header, specs, seq = _unpack_header(frames, max_bytes)
+    """Parse and check a request; raises :class:`ProtocolError` (with the seq when known)."""
+    if not frames:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "empty message")
+    raw = frame_bytes(frames[0])
     try:
-        if seq < 0:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "seq must be an integer >= 0")
-        cls = OPS.get(header["op"]) if isinstance(header["op"], str) else None
-        if cls is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {header['op']!r}; known: {list(OPS)}")
-        msg = _build(cls, header["body"], header["op"])
-        return Request(seq=seq, msg=msg, tensors=_decode_tensors(specs, frames[1:]))
+        env = _request_decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        version, seq = _peek_version(bytes(raw))
+        if version is not None and version != PROTOCOL_VERSION:
+            raise ProtocolError(ErrorCode.BAD_VERSION, _version_message(version), seq) from None
+        text = str(exc)
+        if isinstance(exc, msgspec.ValidationError) and " - at `$" in text:
+            code = ErrorCode.UNKNOWN_OP if text.startswith("Invalid value") and "`$[2][0]`" in text \
+                else ErrorCode.BAD_FIELD
+            raise ProtocolError(code, f"header: {text}", seq) from None
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame 0 is not a v{PROTOCOL_VERSION} header", seq) from None
+    if env.v != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.BAD_VERSION, _version_message(env.v), env.seq)
+    try:
+        if env.seq < 0:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "seq must be >= 0")
+        return _attach_frames(Request(env.seq, env.msg), frames[1:], max_bytes)
     except ProtocolError as exc:
-        exc.seq = seq
+        exc.seq = env.seq
         raise
 
 
-def decode_reply(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Reply:
-    header, specs, seq = _unpack_header(frames, max_bytes)
-    if header["op"] != "reply" or not isinstance(header["body"], dict):
-        raise ProtocolError(ErrorCode.BAD_FRAME, "not a reply", seq)
-    body = dict(header["body"])
-    ok, server_id, error = body.pop("ok", False), body.pop("server_id", ""), body.pop("error", None)
-    return Reply(seq=seq, ok=bool(ok), server_id=str(server_id), body=body,
-                 tensors=_decode_tensors(specs, frames[1:]), error=error)
+def _version_message(version: Any) -> str:
+    return (f"protocol version {version!r}; this server speaks "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))} (upgrade the client: pip install -U k3-accel)")
+
+
+def _attach_frames(req: Request, frames: Sequence[Any], max_bytes: int) -> Request:
+    msg = req.msg
+    if isinstance(msg, ROW_OPS):
+        cols = META_COLUMNS[type(msg)]
+        if msg.n < 0 or msg.rows < 0 or msg.width < 0:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "n, rows and width must be >= 0")
+        want = 3 if msg.hidden else 2
+        if len(frames) != want:
+            raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"{req.op} needs {want} frames, got {len(frames)}")
+        if msg.hidden and msg.hidden not in HIDDEN_DTYPES:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"hidden={msg.hidden!r}: allowed {list(HIDDEN_DTYPES)}")
+        if msg.hidden and msg.rows * msg.width * DTYPES[msg.hidden].itemsize > max_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"hidden rows declare more than {max_bytes} bytes")
+        req.meta = frame_array(frames[0], np.int64, (msg.n, cols), "meta")
+        req.tokens = frame_array(frames[1], np.int64, (msg.rows,), "tokens")
+        if msg.hidden:
+            req.hidden = frame_tensor(frames[2], DTYPES[msg.hidden], (msg.rows, msg.width), "hidden")
+    elif isinstance(msg, Reconnect):
+        if len(frames) != 1 or msg.length < 0:
+            raise ProtocolError(ErrorCode.FRAME_MISMATCH, "reconnect needs one tokens frame of length >= 0")
+        req.tokens = frame_array(frames[0], np.int64, (msg.length,), "tokens")
+    elif frames:
+        raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"{req.op} takes no frames, got {len(frames)}")
+    return req
+
+
+# ------------------------------------------------------------------ replies
+class Reply(msgspec.Struct):
+    seq: int
+    ok: bool
+    server_id: str
+    error: Optional[tuple[str, str]] = None
+    failures: list = []
+    result: Any = None
+    tensors: dict = {}
+
+    def raise_for_error(self) -> "Reply":
+        if not self.ok:
+            code, message = self.error or ("INTERNAL", "")
+            raise ProtocolError(code, message, self.seq)
+        return self
+
+
+def error_reply(seq: int, server_id: str, code: ErrorCode | str, message: str) -> Reply:
+    return Reply(seq, False, server_id, (ErrorCode(code).value, message))
+
+
+def encode_reply(reply: Reply) -> list:
+    specs, frames = [], []
+    for name, t in reply.tensors.items():
+        t = t if t.is_contiguous() else t.contiguous()
+        specs.append((name, dtype_name(t.dtype), list(t.shape)))
+        frames.append(tensor_frame(t))
+    head = ReplyHeader(PROTOCOL_VERSION, reply.seq, reply.ok, reply.server_id, reply.error,
+                       reply.failures, reply.result, specs)
+    return [_encoder.encode(head), *frames]
+
+
+def decode_reply(frames: Sequence[Any]) -> Reply:
+    if not frames:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "empty reply")
+    try:
+        head = _reply_decoder.decode(frame_bytes(frames[0]))
+    except msgspec.DecodeError:
+        version, seq = _peek_version(bytes(frame_bytes(frames[0])))
+        if version is not None and version != PROTOCOL_VERSION:
+            raise ProtocolError(ErrorCode.BAD_VERSION, f"the server speaks protocol {version!r}, "
+                                                       f"this client {PROTOCOL_VERSION}", seq) from None
+        raise ProtocolError(ErrorCode.BAD_FRAME, "not a reply", seq) from None
+    if len(frames) - 1 != len(head.tensors):
+        raise ProtocolError(ErrorCode.FRAME_MISMATCH, "reply frames do not match its header", head.seq)
+    tensors = {}
+    for (name, dtype, shape), frame in zip(head.tensors, frames[1:]):
+        if dtype not in DTYPES:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"reply tensor {name}: dtype {dtype!r}", head.seq)
+        tensors[name] = frame_tensor(frame, DTYPES[dtype], shape, name)
+    return Reply(head.seq, head.ok, head.server_id, head.error, head.failures, head.result, tensors)
+
+
+def legacy_error(frames: Sequence[Any], server_id: str) -> list | None:
+    """A version-1 peer's message answered with BAD_VERSION in version-1 framing (None: not v1)."""
+    version, seq = _peek_version(bytes(frame_bytes(frames[0]))) if frames else (None, -1)
+    if version != 1:
+        return None
+    body = {"ok": False, "server_id": server_id,
+            "error": {"code": ErrorCode.BAD_VERSION.value, "message": _version_message(1)}}
+    return [msgpack.packb({"v": 1, "op": "reply", "seq": seq, "body": body, "tensors": []},
+                          use_bin_type=True)]
+
+
+def caps_from_result(result: Any) -> Caps:
+    """The server's :class:`Caps` from a hello result; ProtocolError(BAD_FIELD) if unusable."""
+    try:
+        return msgspec.convert(result, Caps)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"hello result: {exc}") from None

@@ -18,7 +18,7 @@ from k3_accel.server.loop import ServerLoop
 from k3_accel.server.metrics import ServerMetrics
 from k3_accel.server.security import CurveGuard, SecurityError, check_bind
 from k3_accel.server.service import DraftService
-from k3_accel.server.state import RequestTable
+from k3_accel.server.state import RequestStore
 
 log = logging.getLogger("k3_accel.server")
 MIB = 1 << 20
@@ -28,11 +28,6 @@ def _device(text: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
         raise argparse.ArgumentTypeError(f"{text!r}: expected cpu, cuda or cuda:N")
     return text
-
-
-def _port(text: str) -> int:
-    value = _int_in(0, 65535)(text)
-    return value
 
 
 def _int_in(low: int, high: int | None = None):
@@ -48,6 +43,30 @@ def _int_in(low: int, high: int | None = None):
     return parse
 
 
+def _float_in(low: float, high: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not low < value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside ({low}, {high}]")
+        return value
+    return parse
+
+
+def _float_min(low: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="k3-draft-server", description=__doc__,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -57,20 +76,30 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-model", metavar="DIR",
                     help="target checkpoint; only embed_tokens and lm_head are read (dflash)")
     ap.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="draft compute dtype")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="draft compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind; non-loopback needs CURVE keys")
-    ap.add_argument("--port", type=_port, default=5557, help="ZMQ port (0 = any free port)")
-    ap.add_argument("--http-port", type=_port, default=8095,
+    ap.add_argument("--port", type=_int_in(0, 65535), default=5557, help="ZMQ port (0 = any free port)")
+    ap.add_argument("--http-port", type=_int_in(0, 65535), default=8095,
                     help="port of /healthz, /readyz and /metrics (0 = any free port)")
-    ap.add_argument("--max-requests", type=_int_in(1), default=256, help="active requests at once")
+    ap.add_argument("--max-requests", type=_int_in(1), default=1024,
+                    help="active requests per client session (a quota: one target cannot starve the others)")
+    ap.add_argument("--max-requests-total", type=_int_in(1), default=4096,
+                    help="active requests over all client sessions")
+    ap.add_argument("--lease-s", type=_float_min(0.0), default=20.0,
+                    help="free a client session after this many seconds without a message (0 = never); "
+                         "clients send a heartbeat every 2 s while idle")
     ap.add_argument("--max-retained-requests", type=_int_in(0), default=64,
                     help="freed requests kept for reconnect (LRU)")
     ap.add_argument("--num-speculative-tokens", type=_int_in(1, 64), default=16,
                     help="largest K a client may ask for")
     ap.add_argument("--block-size", type=_int_in(1), default=16, help="reconnect granularity in tokens")
-    ap.add_argument("--memory-budget-mb", type=_int_in(1), default=4096,
-                    help="budget for per-request draft state (K/V, tokens)")
+    ap.add_argument("--memory-budget-mb", type=_int_in(1), default=None,
+                    help="size of the context pool (draft K/V) in MiB (default: 4096, or "
+                         "--gpu-memory-fraction on CUDA)")
+    ap.add_argument("--gpu-memory-fraction", type=_float_in(0.0, 1.0), default=0.5,
+                    help="on CUDA without --memory-budget-mb: this fraction of the free GPU memory "
+                         "(after loading weights) becomes the context pool")
     ap.add_argument("--max-message-mb", type=_int_in(1), default=DEFAULT_MAX_MESSAGE_BYTES // MIB,
                     help="largest message accepted (also ZMQ MAXMSGSIZE)")
     ap.add_argument("--ngram-min", type=_int_in(1), default=1, help="shortest n-gram to match (ngram)")
@@ -116,13 +145,17 @@ def build_engine(args: argparse.Namespace) -> DraftEngine:
 
 
 def _load_engine(args: argparse.Namespace) -> DraftEngine:
+    budget = None if args.memory_budget_mb is None else args.memory_budget_mb * MIB
     if args.engine == "ngram":
-        from k3_accel.server.engines.ngram import NgramEngine
+        from k3_accel.server.engines.ngram import DEFAULT_BUDGET_BYTES, NgramEngine
         return NgramEngine(max_spec_tokens=args.num_speculative_tokens, min_n=args.ngram_min,
-                           max_n=args.ngram_max, block_size=args.block_size)
+                           max_n=args.ngram_max, block_size=args.block_size,
+                           budget_bytes=budget or DEFAULT_BUDGET_BYTES)
     from k3_accel.server.engines.dflash import DFlashEngine
-    return DFlashEngine(args.draft_model, args.target_model, device=args.device, dtype=args.dtype,
-                        max_spec_tokens=args.num_speculative_tokens, block_size=args.block_size)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    return DFlashEngine(args.draft_model, args.target_model, device=args.device, dtype=dtype,
+                        max_spec_tokens=args.num_speculative_tokens, block_size=args.block_size,
+                        budget_bytes=budget, memory_fraction=args.gpu_memory_fraction)
 
 
 def serve(args: argparse.Namespace, stop: threading.Event) -> None:
@@ -136,16 +169,19 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> None:
     log.info("http on %s:%d (/healthz /readyz /metrics)", args.host, http.port)
     try:
         engine = build_engine(args)
-        table = RequestTable(engine, max_requests=args.max_requests, max_retained=args.max_retained_requests,
-                             budget_bytes=args.memory_budget_mb * MIB)
-        service = DraftService(engine, table, metrics, args.max_requests)
+        store = RequestStore(engine, max_requests=args.max_requests,
+                             max_requests_total=max(args.max_requests_total, args.max_requests),
+                             max_retained=args.max_retained_requests)
+        service = DraftService(engine, store, metrics, max_message_bytes=args.max_message_mb * MIB,
+                               lease_s=args.lease_s)
         try:
             loop = ServerLoop(service, f"tcp://{_bracket(args.host)}:{args.port}", args.max_message_mb * MIB,
-                              ctx=ctx, curve=curve)
+                              ctx=ctx, curve=curve, lease_s=args.lease_s)
         except zmq.ZMQError as exc:
             raise StartupError(f"cannot bind {args.host}:{args.port}: {exc}") from None
-        log.info("k3-draft-server ready: engine=%s endpoint=%s server_id=%s", engine.caps.kind,
-                 loop.endpoint, service.server_id)
+        log.info("k3-draft-server ready: engine=%s endpoint=%s server_id=%s pool=%d blocks x %d rows",
+                 engine.caps.kind, loop.endpoint, service.server_id, engine.pool.num_blocks,
+                 engine.pool.block_rows)
         loop.serve(stop)
     finally:
         http.close()

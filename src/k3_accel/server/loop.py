@@ -1,76 +1,170 @@
-"""The ROUTER socket loop: receive, decode, handle in arrival order, reply."""
+"""The ROUTER socket loop: receive, decode, schedule, reply.
+
+Each connection (ROUTER identity) has a FIFO of decoded messages; a
+connection's messages are handled strictly in arrival order and its replies
+leave in that order. Each round takes the head message of every connection:
+the proposes among them run as **one engine batch** (several clients'
+proposes that wait at the same time), the rest one by one. While a round
+runs, nothing else is read; between rounds everything that arrived is read
+and decoded first, so a burst from several targets is batched.
+
+Housekeeping between rounds: sessions whose client sent nothing for the
+lease are reclaimed; gauges are refreshed. At shutdown every queued message
+is answered ``SHUTTING_DOWN``.
+"""
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
 
 import zmq
 
 from k3_accel import protocol as p
-from k3_accel.protocol import ErrorCode, ProtocolError
+from k3_accel.protocol import ErrorCode, ProtocolError, Reply
 from k3_accel.server.security import CurveGuard
 from k3_accel.server.service import DraftService
+from k3_accel.server.state import Session
 
 log = logging.getLogger("k3_accel.server")
 POLL_MS = 100
+HOUSEKEEPING_S = 0.5
+
+
+@dataclass(eq=False)
+class _Conn:
+    ident: bytes
+    session: Session | None = None
+    owner: str | None = None                      # CURVE client key (z85), when CURVE is on
+    queue: deque = field(default_factory=deque)   # p.Request or a ready Reply (decode errors)
 
 
 class ServerLoop:
-    """One thread, one ROUTER socket: every client's messages run strictly in order."""
-
     def __init__(self, service: DraftService, endpoint: str, max_message_bytes: int,
-                 ctx: zmq.Context | None = None, curve: CurveGuard | None = None):
+                 ctx: zmq.Context | None = None, curve: CurveGuard | None = None, lease_s: float = 0.0):
         self.service = service
         self.max_message_bytes = max_message_bytes
+        self.lease_s = lease_s
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + (1 << 20))
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.curve = curve is not None
         if curve is not None:
             curve.apply(self.sock)
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ready = threading.Event()
+        self._conns: dict[bytes, _Conn] = {}
+        self._next_housekeeping = 0.0
 
+    # ----------------------------------------------------------------- loop
     def serve(self, stop: threading.Event) -> None:
         self.ready.set()
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        while not stop.is_set():
-            if poller.poll(POLL_MS):
-                self._one(self.sock.recv_multipart(copy=False))
-        self.ready.clear()
-        self._drain()
-        self.sock.close()
-
-    def _one(self, frames: list) -> None:
-        if len(frames) < 2:
-            return  # nothing to answer: no identity or no body
-        ident, body = frames[0].bytes, frames[1:]
         try:
-            reply = self.service.handle(p.decode_request(body, self.max_message_bytes))
+            while not stop.is_set():
+                busy = any(c.queue for c in self._conns.values())
+                if self.sock.poll(0 if busy else POLL_MS, zmq.POLLIN):
+                    self._receive_all()
+                if any(c.queue for c in self._conns.values()):
+                    self._round()
+                self._housekeeping()
+        finally:
+            self.ready.clear()
+            self._drain()
+            self.sock.close()
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue                      # nothing to answer: no identity or no body
+            self._enqueue(frames)
+
+    def _enqueue(self, frames: list) -> None:
+        ident = frames[0].bytes
+        conn = self._conns.get(ident)
+        if conn is None:
+            conn = self._conns[ident] = _Conn(ident, owner=frames[1].get("User-Id") if self.curve else None)
+        try:
+            conn.queue.append(p.decode_request(frames[1:], self.max_message_bytes))
         except ProtocolError as exc:
+            legacy = p.legacy_error(frames[1:], self.service.server_id)
+            if legacy is not None:            # a version-1 client: answer in its framing
+                self.service.metrics.error(exc.code.value)
+                self.sock.send_multipart([ident, *legacy])
+                return
             log.debug("rejected message: %s", exc)
-            reply = self.service.reject(exc)
-        except Exception as exc:  # a decoder bug must not stop the server
+            conn.queue.append(self.service.reject(exc))
+        except Exception as exc:  # noqa: BLE001 - a decoder bug must not stop the server
             log.exception("unexpected failure decoding a message")
-            reply = self.service.reject(ProtocolError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
-        self.sock.send_multipart([ident, *p.encode_reply(reply)], copy=False)
+            conn.queue.append(self.service.reject(ProtocolError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")))
+
+    def _round(self) -> None:
+        """Handle the head message of every connection; proposes as one batch."""
+        heads = [c for c in self._conns.values() if c.queue]
+        proposes = []
+        for conn in heads:
+            item = conn.queue[0]
+            if isinstance(item, Reply):
+                self._send(conn, item)
+            elif conn.session is None or isinstance(item.msg, p.Hello):
+                self._send(conn, self._unbound(conn, item))
+            elif isinstance(item.msg, p.Propose):
+                proposes.append(conn)
+                continue
+            else:
+                self.service.metrics.session_message(conn.session.name)
+                self._send(conn, self.service.handle(conn.session, item))
+            conn.queue.popleft()
+        if proposes:
+            for conn in proposes:
+                self.service.metrics.session_message(conn.session.name)
+            replies = self.service.propose_batch([(c.session, c.queue[0]) for c in proposes])
+            for conn, reply in zip(proposes, replies):
+                conn.queue.popleft()
+                self._send(conn, reply)
+
+    def _unbound(self, conn: _Conn, req: p.Request) -> Reply:
+        """A hello (binds the connection to a session) or a message before any hello."""
+        if isinstance(req.msg, p.Hello):
+            session, reply = self.service.hello(req, conn.owner)
+            if session is not None:
+                conn.session = session
+            return reply
+        return self.service.reject(ProtocolError(ErrorCode.NO_SESSION, "send hello first", req.seq))
+
+    def _send(self, conn: _Conn, reply: Reply) -> None:
+        self.sock.send_multipart([conn.ident, *p.encode_reply(reply)], copy=False)
+
+    # --------------------------------------------------------- housekeeping
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now < self._next_housekeeping:
+            return
+        self._next_housekeeping = now + HOUSEKEEPING_S
+        store = self.service.store
+        if self.lease_s > 0:
+            for session in store.expired(self.lease_s, now):
+                self.service.reclaim(session, f"no message for {self.lease_s:g}s")
+                for conn in [c for c in self._conns.values() if c.session is session]:
+                    conn.session = None
+        for ident in [i for i, c in self._conns.items() if c.session is None and not c.queue]:
+            del self._conns[ident]
+        self.service.metrics.refresh(store.summary)
 
     def _drain(self) -> None:
-        """Fail every message that arrived but was not handled before shutdown."""
-        while self.sock.poll(0):
-            frames = self.sock.recv_multipart(copy=False)
-            if len(frames) < 2:
-                continue
-            seq = _peek_seq(frames[1:], self.max_message_bytes)
-            reply = p.error_reply(seq, self.service.server_id, ErrorCode.SHUTTING_DOWN, "server is stopping")
-            self.sock.send_multipart([frames[0].bytes, *p.encode_reply(reply)], copy=False)
-
-
-def _peek_seq(frames: list, max_bytes: int) -> int:
-    try:
-        return p.decode_request(frames, max_bytes).seq
-    except ProtocolError as exc:
-        return exc.seq
+        """Answer everything that arrived but was not handled before shutdown."""
+        self._receive_all()
+        for conn in self._conns.values():
+            while conn.queue:
+                item = conn.queue.popleft()
+                seq = item.seq if isinstance(item, (p.Request, Reply)) else -1
+                self._send(conn, p.error_reply(seq, self.service.server_id, ErrorCode.SHUTTING_DOWN,
+                                               "server is stopping"))

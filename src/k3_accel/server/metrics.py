@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter as PCounter, Gauge, Histogram
+
+MAX_SESSION_LABELS = 32      # per-session series beyond this many sessions go to "other"
+_STEP_BUCKETS = (1e-4, 3e-4, 1e-3, 2e-3, 5e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 
 
 class ServerMetrics:
@@ -16,17 +20,34 @@ class ServerMetrics:
         self._tokens = PCounter("k3_draft_tokens_proposed", "Draft tokens returned (not -1)", registry=r)
         self._errors = PCounter("k3_draft_errors", "Errors returned, by code", ["code"], registry=r)
         self._latency = Histogram("k3_draft_latency_seconds", "Handling time by op", ["op"], registry=r,
-                                  buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0))
+                                  buckets=_STEP_BUCKETS)
+        self._engine = Histogram("k3_draft_engine_step_seconds", "Engine time per propose batch",
+                                 registry=r, buckets=_STEP_BUCKETS)
+        self._ingest = Histogram("k3_draft_ingest_seconds", "Engine time per stored row message",
+                                 registry=r, buckets=_STEP_BUCKETS)
+        self._batch = Histogram("k3_draft_engine_batch_size", "Requests per propose batch", registry=r,
+                                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+        self._reclaimed = PCounter("k3_draft_sessions_reclaimed", "Sessions freed after their lease ran out",
+                                   registry=r)
+        self._session_messages = PCounter("k3_draft_session_messages", "Messages handled, by session",
+                                          ["session"], registry=r)
         self.active = Gauge("k3_draft_active_requests", "Active requests", registry=r)
         self.retained = Gauge("k3_draft_retained_requests", "Retained (reconnectable) requests", registry=r)
-        self.used_bytes = Gauge("k3_draft_state_bytes", "Bytes of per-request draft state", registry=r)
+        self.sessions = Gauge("k3_draft_sessions", "Open client sessions", registry=r)
+        self.pool_used = Gauge("k3_draft_pool_used_blocks", "Context blocks in use", registry=r)
+        self.pool_total = Gauge("k3_draft_pool_blocks", "Context blocks in the pool", registry=r)
+        self.session_active = Gauge("k3_draft_session_active_requests", "Active requests, by session",
+                                    ["session"], registry=r)
         self._by_op: dict[str, tuple] = {}     # op -> its (messages, latency) children
         self._by_code: dict[str, PCounter] = {}
+        self._session_names: set[str] = set()
         self.ops: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.ingested_rows = 0
         self.proposals = 0
         self.tokens_proposed = 0
+        self.engine_batches = 0
+        self.sessions_reclaimed = 0
 
     def message(self, op: str, seconds: float) -> None:
         self.ops[op] += 1
@@ -43,9 +64,16 @@ class ServerMetrics:
             child = self._by_code[code] = self._errors.labels(code)
         child.inc()
 
-    def rows(self, n: int) -> None:
-        self.ingested_rows += n
-        self._rows.inc(n)
+    def rows(self, n: int, seconds: float) -> None:
+        if n:
+            self.ingested_rows += n
+            self._rows.inc(n)
+            self._ingest.observe(seconds)
+
+    def engine_step(self, batch: int, seconds: float) -> None:
+        self.engine_batches += 1
+        self._engine.observe(seconds)
+        self._batch.observe(batch)
 
     def proposed(self, requests: int, tokens: int) -> None:
         self.proposals += requests
@@ -53,6 +81,37 @@ class ServerMetrics:
         self._proposals.inc(requests)
         self._tokens.inc(tokens)
 
+    def reclaimed(self, session: str) -> None:
+        self.sessions_reclaimed += 1
+        self._reclaimed.inc()
+
+    def session_label(self, name: str) -> str:
+        """A bounded label set: the first MAX_SESSION_LABELS sessions by name, then "other"."""
+        if name in self._session_names:
+            return name
+        if len(self._session_names) < MAX_SESSION_LABELS:
+            self._session_names.add(name)
+            return name
+        return "other"
+
+    def session_message(self, name: str) -> None:
+        self._session_messages.labels(self.session_label(name)).inc()
+
+    def refresh(self, summary: Callable[[], dict]) -> None:
+        """Set the gauges from the store's summary (called when /metrics is read)."""
+        s = summary()
+        self.active.set(s["active"])
+        self.retained.set(s["retained"])
+        self.sessions.set(len(s["sessions"]))
+        self.pool_total.set(s["pool_blocks"])
+        self.pool_used.set(s["pool_blocks"] - s["pool_free_blocks"])
+        per: Counter[str] = Counter()
+        for name, info in s["sessions"].items():
+            per[self.session_label(name)] += info["active"]
+        for label in self._session_names | {"other"}:
+            self.session_active.labels(label).set(per.get(label, 0))
+
     def snapshot(self) -> dict:
         return {"ops": dict(self.ops), "errors": dict(self.errors), "ingested_rows": self.ingested_rows,
-                "proposals": self.proposals, "tokens_proposed": self.tokens_proposed}
+                "proposals": self.proposals, "tokens_proposed": self.tokens_proposed,
+                "engine_batches": self.engine_batches, "sessions_reclaimed": self.sessions_reclaimed}

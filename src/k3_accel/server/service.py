@@ -1,225 +1,245 @@
-"""Op handlers: a decoded request in, a reply out. No sockets here."""
+"""Op handlers: decoded requests of a session in, replies out. No sockets here.
+
+Proposes of several sessions that wait at the same time run as one engine
+batch (:meth:`DraftService.propose_batch`); each still gets its own reply,
+and one request's failure stays its own.
+"""
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any, Callable
 
+import msgspec
+import numpy as np
 import torch
 
 from k3_accel import protocol as p
-from k3_accel.protocol import ErrorCode, ProtocolError, Reply, RequestResult
-from k3_accel.server.engines.base import DraftEngine, EngineError
+from k3_accel.protocol import ErrorCode, ProtocolError, Reply
+from k3_accel.server import rows as r
+from k3_accel.server.engines.base import DraftEngine, EngineError, EngineFault, Proposal, ProposeBatch
 from k3_accel.server.metrics import ServerMetrics
-from k3_accel.server.state import RequestError, RequestTable
+from k3_accel.server.reconnect import reconnect
+from k3_accel.server.state import RequestError, RequestStore, Session
 
+log = logging.getLogger("k3_accel.server")
 
-@dataclass(frozen=True)
-class Rows:
-    """One request's slice of a message's context rows."""
-    positions: torch.Tensor
-    token_ids: torch.Tensor
-    hidden: torch.Tensor | None
+_FAULT_CODES = {EngineFault.CAPACITY: ErrorCode.CAPACITY, EngineFault.BAD_INPUT: ErrorCode.BAD_REQUEST,
+                EngineFault.UNSUPPORTED: ErrorCode.UNSUPPORTED}
 
 
 def new_server_id() -> str:
     return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
+@dataclass
+class _Job:
+    """One propose message inside a batch."""
+    session: Session
+    req: p.Request
+    rows: r.RowMessage | None = None
+    admitted: r.Admitted | None = None
+    error: Reply | None = None
+    started: float = 0.0
+    store_s: float = 0.0
+    engine_s: float = 0.0
+
+
 class DraftService:
-    def __init__(self, engine: DraftEngine, table: RequestTable, metrics: ServerMetrics,
-                 max_requests: int):
-        self.engine = engine
-        self.table = table
-        self.metrics = metrics
-        self.max_requests = max_requests
+    def __init__(self, engine: DraftEngine, store: RequestStore, metrics: ServerMetrics, *,
+                 max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES, lease_s: float = 0.0):
+        self.engine, self.store, self.metrics = engine, store, metrics
         self.server_id = new_server_id()
-        self._phases: dict[str, float] = {}   # seconds per phase of the message in hand
-        self._handlers = {p.Hello: self._hello, p.Ingest: self._ingest, p.Propose: self._propose,
-                          p.Free: self._free, p.Clear: self._clear, p.Reconnect: self._reconnect,
-                          p.Stats: self._stats}
+        c = engine.caps
+        self.caps = p.Caps(
+            engine=c.kind, needs_hidden_states=c.needs_hidden_states, context_width=c.context_width,
+            hidden_dtypes=list(c.hidden_dtypes), supports_logits=c.supports_logits,
+            supports_topk=c.supports_topk, max_spec_tokens=c.max_spec_tokens, block_size=c.block_size,
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, aux_layer_ids=list(c.aux_layer_ids),
+            mask_token_id=c.mask_token_id, max_requests=store.max_requests,
+            max_requests_total=store.max_requests_total, max_message_bytes=max_message_bytes,
+            pool_blocks=engine.pool.num_blocks,
+            pool_bytes=engine.pool.num_blocks * engine.pool.block_rows * engine.bytes_per_row,
+            lease_s=lease_s)
+        self._handlers: dict[type, Callable] = {
+            p.Ingest: self._ingest, p.Free: self._free, p.Clear: self._clear, p.Reconnect: self._reconnect,
+            p.Ping: self._ping, p.Bye: self._bye, p.Stats: self._stats}
 
     # ------------------------------------------------------------------ entry
-    def handle(self, req: p.Request) -> Reply:
-        """Run one request; every failure becomes a typed error reply."""
-        started = time.perf_counter()
-        self._phases = {}
+    def hello(self, req: p.Request, owner: str | None) -> tuple[Session | None, Reply]:
+        """Open (or reclaim) the session the hello names; the reply carries the caps."""
         try:
-            body, tensors = self._handlers[type(req.msg)](req)
-            body["timing"] = {**self._phases, "handle": time.perf_counter() - started}
-            reply = Reply(seq=req.seq, ok=True, server_id=self.server_id, body=body, tensors=tensors)
+            session = self.store.open_session(req.msg.session, req.msg.client, owner)
+        except RequestError as exc:
+            return None, self._done(req, p.error_reply(req.seq, self.server_id, exc.code, exc.message))
+        reply = Reply(req.seq, True, self.server_id, result=msgspec.to_builtins(self.caps))
+        return session, self._done(req, reply)
+
+    def handle(self, session: Session, req: p.Request) -> Reply:
+        """Run one non-propose request; every failure becomes a typed error reply."""
+        started = time.perf_counter()
+        session.last_seen = time.monotonic()
+        try:
+            reply = self._handlers[type(req.msg)](session, req)
         except ProtocolError as exc:
             reply = p.error_reply(req.seq, self.server_id, exc.code, exc.message)
+        except RequestError as exc:
+            reply = p.error_reply(req.seq, self.server_id, exc.code, exc.message)
         except Exception as exc:  # an engine bug must not take the server down
+            log.exception("internal error handling %s", req.op)
             reply = p.error_reply(req.seq, self.server_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        self._account(req.op, reply, time.perf_counter() - started)
-        return reply
+        return self._done(req, reply, started)
 
     def reject(self, exc: ProtocolError) -> Reply:
-        """The reply to a message that could not even be decoded."""
+        """The reply to a message that could not be accepted at all."""
         self.metrics.error(exc.code.value)
         return p.error_reply(exc.seq, self.server_id, exc.code, exc.message)
 
-    def _account(self, op: str, reply: Reply, seconds: float) -> None:
-        self.metrics.message(op, seconds)
+    def _done(self, req: p.Request, reply: Reply, started: float | None = None) -> Reply:
+        self.metrics.message(req.op, 0.0 if started is None else time.perf_counter() - started)
         if not reply.ok:
-            self.metrics.error(reply.error["code"])
-        for result in reply.body.get("results", []):
-            if not result["ok"]:
-                self.metrics.error(result["code"])
-        self.metrics.active.set(len(self.table.active))
-        self.metrics.retained.set(len(self.table.retained))
-        self.metrics.used_bytes.set(self.table.used_bytes)
+            self.metrics.error(reply.error[0])
+        for _, code, _ in reply.failures:
+            self.metrics.error(code)
+        return reply
 
-    # ------------------------------------------------------------- context
-    def _split_rows(self, spans: list, tensors: dict[str, torch.Tensor]) -> list[Rows]:
-        """Check the context tensors against the spans and cut them per request."""
-        total = sum(s.count for s in spans)
-        if any(s.count < 0 for s in spans):
-            raise ProtocolError(ErrorCode.BAD_FIELD, "row counts must be >= 0")
-        if len({s.id for s in spans}) != len(spans):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "a request id appears twice in one message")
-        if total == 0:
-            return [Rows(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), None)
-                    for _ in spans]
-        positions, token_ids = self._row_tensor(tensors, "positions", total), self._row_tensor(tensors, "token_ids", total)
-        hidden = self._hidden(tensors.get("hidden"), total)
-        cuts = [s.count for s in spans]
-        hid = hidden.split(cuts) if hidden is not None else [None] * len(spans)
-        return [Rows(a, b, c) for a, b, c in zip(positions.split(cuts), token_ids.split(cuts), hid)]
+    def _ok(self, req: p.Request, result: Any = None, failures: list | None = None,
+            tensors: dict | None = None) -> Reply:
+        return Reply(req.seq, True, self.server_id, None, failures or [], result, tensors or {})
 
-    @staticmethod
-    def _row_tensor(tensors: dict, name: str, total: int) -> torch.Tensor:
-        t = tensors.get(name)
-        if t is None or t.dtype != torch.int64 or tuple(t.shape) != (total,):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"tensor '{name}' must be int64 of shape [{total}]")
-        return t
+    # ---------------------------------------------------------------- ingest
+    def _ingest(self, session: Session, req: p.Request) -> Reply:
+        rows = r.check_message(req, self.engine.caps)
+        admitted = r.admit(self.store, session, rows)
+        self._store_rows(rows, admitted)
+        return self._ok(req, failures=_failures(admitted))
 
-    def _hidden(self, hidden: torch.Tensor | None, total: int) -> torch.Tensor | None:
-        caps = self.engine.caps
-        if hidden is None:
-            if caps.needs_hidden_states:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"engine {caps.kind} needs tensor 'hidden'")
-            return None
-        if tuple(hidden.shape) != (total, caps.context_width):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"tensor 'hidden' has shape {list(hidden.shape)}, "
-                                                       f"expected [{total}, {caps.context_width}]")
-        if p.dtype_name(hidden.dtype) not in caps.hidden_dtypes:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden dtype {hidden.dtype} not in {caps.hidden_dtypes}")
-        return hidden
-
-    def _store_all(self, spans: list, rows: list[Rows]) -> list[RequestResult]:
-        """Store every request's rows; one result per request, rows counted once."""
-        results, stored = [], 0
-        for span, r in zip(spans, rows):
-            try:
-                self.table.store(span.id, r.positions, r.token_ids, r.hidden)
-            except RequestError as exc:
-                results.append(RequestResult(span.id, False, exc.code.value, exc.message))
-                continue
-            stored += r.positions.numel()
-            results.append(RequestResult(span.id))
-        self.metrics.rows(stored)
-        return results
-
-    # ------------------------------------------------------------------ ops
-    def _hello(self, req: p.Request):
-        caps = self.engine.caps
-        server_caps = p.ServerCaps(
-            engine=caps.kind, needs_hidden_states=caps.needs_hidden_states, context_width=caps.context_width,
-            hidden_dtypes=list(caps.hidden_dtypes), supports_logits=caps.supports_logits,
-            supports_topk=caps.supports_topk, max_requests=self.max_requests,
-            max_spec_tokens=caps.max_spec_tokens, block_size=caps.block_size, vocab_size=caps.vocab_size)
-        return {"caps": p.to_body(server_caps), "aux_layer_ids": list(caps.aux_layer_ids),
-                "mask_token_id": caps.mask_token_id}, {}
-
-    def _ingest(self, req: p.Request):
-        rows = self._split_rows(req.msg.requests, req.tensors)
-        results = self._store_all(req.msg.requests, rows)
-        return {"results": [p.to_body(r) for r in results]}, {}
-
-    def _check_propose(self, msg: p.Propose) -> None:
-        caps = self.engine.caps
-        if not 0 <= msg.k <= caps.max_spec_tokens:
-            raise ProtocolError(ErrorCode.K_TOO_LARGE, f"k={msg.k}, the server allows 0..{caps.max_spec_tokens}")
-        if msg.logits == "full" and not caps.supports_logits:
-            raise ProtocolError(ErrorCode.UNSUPPORTED, f"engine {caps.kind} returns no logits")
-        if msg.logits == "topk" and not (caps.supports_topk and msg.topk > 0):
-            raise ProtocolError(ErrorCode.UNSUPPORTED, f"engine {caps.kind} top-k needs supports_topk and topk > 0")
-
-    def _propose(self, req: p.Request):
-        msg = req.msg
-        self._check_propose(msg)
+    def _store_rows(self, rows: r.RowMessage, admitted: r.Admitted) -> None:
         started = time.perf_counter()
-        rows = self._split_rows(msg.requests, req.tensors)
-        results = self._store_all(msg.requests, rows)
-        results = [self._check_anchor(item, res) for item, res in zip(msg.requests, results)]
-        self._phases["store"] = time.perf_counter() - started
-        ready = [i for i, r in enumerate(results) if r.ok]
-        drafts = torch.full((len(msg.requests), msg.k), -1, dtype=torch.int64)
-        tensors = {"drafts": drafts}
-        if ready and msg.k > 0:
-            started = time.perf_counter()
-            proposal = self._run_engine(msg, ready)
-            self._phases["engine"] = time.perf_counter() - started
-            drafts[ready] = proposal.tokens
-            tensors.update(self._logits_tensors(msg, ready, proposal.logits))
-            self.metrics.proposed(len(ready), int((proposal.tokens >= 0).sum()))
-        return {"results": [p.to_body(r) for r in results]}, tensors
-
-    def _check_anchor(self, item: p.ProposeItem, result: RequestResult) -> RequestResult:
-        if not result.ok:
-            return result
-        length = self.table.get(item.id).length
-        if item.anchor_position != length:
-            return RequestResult(item.id, False, ErrorCode.CONTEXT_GAP.value,
-                                 f"anchor at position {item.anchor_position}, context ends at {length}")
-        return result
-
-    def _run_engine(self, msg: p.Propose, ready: list[int]):
-        states = [self.table.get(msg.requests[i].id) for i in ready]
-        anchors = [msg.requests[i].anchor_token for i in ready]
         try:
-            return self.engine.propose([s.engine_state for s in states], [s.tokens for s in states],
-                                       anchors, msg.k, want_logits=msg.logits != "none")
+            stored = r.apply(self.store, rows, admitted)
         except EngineError as exc:
-            raise ProtocolError(exc.code, str(exc)) from None
+            raise ProtocolError(_FAULT_CODES[exc.fault], str(exc)) from None
+        self.metrics.rows(stored, time.perf_counter() - started)
 
-    def _logits_tensors(self, msg: p.Propose, ready: list[int], logits: torch.Tensor | None) -> dict:
-        if msg.logits == "none" or logits is None:
-            return {}
-        if msg.logits == "full":
-            full = torch.zeros((len(msg.requests), *logits.shape[1:]), dtype=torch.bfloat16)
-            full[ready] = logits.to(torch.bfloat16)
-            return {"logits": full}
-        values, indices = logits.float().topk(min(msg.topk, logits.shape[-1]), dim=-1)
-        out_v = torch.zeros((len(msg.requests), *values.shape[1:]), dtype=torch.bfloat16)
-        out_i = torch.full((len(msg.requests), *values.shape[1:]), -1, dtype=torch.int64)
-        out_v[ready], out_i[ready] = values.to(torch.bfloat16), indices
-        return {"topk_values": out_v, "topk_indices": out_i}
+    # --------------------------------------------------------------- propose
+    def propose_batch(self, items: list[tuple[Session, p.Request]]) -> list[Reply]:
+        """Proposes of one or more sessions as one engine batch; a reply per message, in order."""
+        jobs = [self._prepare(session, req) for session, req in items]
+        live = [j for j in jobs if j.error is None and j.req.msg.k > 0 and j.admitted.index]
+        by_k: dict[tuple, list[_Job]] = {}
+        for job in live:
+            m = job.req.msg
+            by_k.setdefault((m.k, m.logits, m.topk), []).append(job)
+        results: dict[int, tuple[Proposal, int]] = {}
+        for (k, logits, topk), group in by_k.items():
+            try:
+                started = time.perf_counter()
+                proposal = self._run_engine(group, k, logits, topk)
+                proposal_seconds = time.perf_counter() - started
+            except Exception as exc:  # noqa: BLE001 - every message of the group fails, the server lives
+                log.exception("engine failure in a batch of %d message(s)", len(group))
+                for job in group:
+                    job.error = p.error_reply(job.req.seq, self.server_id, ErrorCode.INTERNAL,
+                                              f"{type(exc).__name__}: {exc}")
+                continue
+            at = 0
+            for job in group:
+                results[id(job)] = (proposal, at)
+                job.engine_s = proposal_seconds
+                at += len(job.admitted.index)
+        return [self._propose_reply(job, results.get(id(job))) for job in jobs]
 
-    def _free(self, req: p.Request):
-        self.table.free(req.msg.ids, req.msg.retain)
-        return {}, {}
-
-    def _clear(self, req: p.Request):
-        self.table.clear()
-        return {}, {}
-
-    def _reconnect(self, req: p.Request):
-        token_ids = req.tensors.get("token_ids")
-        if token_ids is None or token_ids.dtype != torch.int64 or token_ids.dim() != 1:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "reconnect needs an int64 tensor 'token_ids' [length]")
-        if token_ids.numel() != req.msg.length:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"token_ids has {token_ids.numel()} ids, length is {req.msg.length}")
+    def _prepare(self, session: Session, req: p.Request) -> _Job:
+        job = _Job(session, req, started=time.perf_counter())
+        session.last_seen = time.monotonic()
         try:
-            restored = self.table.reconnect(req.msg.source, req.msg.id, token_ids, self.engine.caps.block_size)
-        except RequestError as exc:
-            raise ProtocolError(exc.code, exc.message) from None
-        return {"restored": restored}, {}
+            job.rows = r.check_message(req, self.engine.caps)
+            job.admitted = r.admit(self.store, session, job.rows)
+            self._store_rows(job.rows, job.admitted)
+            job.store_s = time.perf_counter() - job.started
+        except (ProtocolError, RequestError) as exc:
+            job.error = p.error_reply(req.seq, self.server_id, exc.code, exc.message)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("internal error storing propose rows")
+            job.error = p.error_reply(req.seq, self.server_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return job
 
-    def _stats(self, req: p.Request):
-        return {"stats": {**self.metrics.snapshot(), "active": len(self.table.active),
-                          "retained": len(self.table.retained), "used_bytes": self.table.used_bytes,
-                          "budget_bytes": self.table.budget_bytes}}, {}
+    def _run_engine(self, group: list[_Job], k: int, logits: str, topk: int) -> Proposal:
+        states = [s for job in group for s in job.admitted.states]
+        anchors = np.concatenate([job.rows.anchors[job.admitted.index] for job in group])
+        started = time.perf_counter()
+        proposal = self.engine.propose(ProposeBatch(
+            [s.engine_state for s in states], [s.history for s in states], torch.from_numpy(anchors),
+            k, logits, topk))
+        self.metrics.engine_step(len(states), time.perf_counter() - started)
+        self.metrics.proposed(len(states), int((proposal.tokens >= 0).sum()))
+        return proposal
+
+    def _propose_reply(self, job: _Job, result: tuple[Proposal, int] | None) -> Reply:
+        if job.error is not None:
+            return self._done(job.req, job.error, job.started)
+        msg, n = job.req.msg, job.rows.n
+        drafts = torch.full((n, msg.k), -1, dtype=torch.int32)
+        tensors = {"drafts": drafts}
+        if result is not None:
+            proposal, at = result
+            idx = torch.as_tensor(job.admitted.index, dtype=torch.long)
+            span = slice(at, at + len(idx))
+            drafts[idx] = proposal.tokens[span].to(torch.int32)
+            tensors.update(_logit_tensors(msg, n, idx, proposal, span))
+        reply = self._ok(job.req, [job.store_s, job.engine_s], _failures(job.admitted), tensors)
+        return self._done(job.req, reply, job.started)
+
+    # ----------------------------------------------------------------- other
+    def _free(self, session: Session, req: p.Request) -> Reply:
+        self.store.free(session, req.msg.handles, req.msg.retain)
+        return self._ok(req)
+
+    def _clear(self, session: Session, req: p.Request) -> Reply:
+        return self._ok(req, result={"released": self.store.clear(session)})
+
+    def _bye(self, session: Session, req: p.Request) -> Reply:
+        return self._ok(req, result={"released": self.store.close_session(session)})
+
+    def _ping(self, session: Session, req: p.Request) -> Reply:
+        return self._ok(req)
+
+    def _reconnect(self, session: Session, req: p.Request) -> Reply:
+        try:
+            restored = reconnect(self.store, session, req.msg.handle, req.tokens)
+        except EngineError as exc:
+            raise ProtocolError(_FAULT_CODES[exc.fault], str(exc)) from None
+        return self._ok(req, result={"restored": restored})
+
+    def _stats(self, session: Session, req: p.Request) -> Reply:
+        return self._ok(req, result={**self.metrics.snapshot(), **self.store.summary(),
+                                     "session": session.name})
+
+    def reclaim(self, session: Session, why: str) -> None:
+        """Free a session whose client went away (lease expired)."""
+        released = self.store.close_session(session)
+        self.metrics.reclaimed(session.name)
+        log.warning("session %s reclaimed (%s): %d active request(s) freed", session.name, why, released)
+
+
+def _failures(admitted: r.Admitted) -> list:
+    return [(i, code, message) for i, (code, message) in sorted(admitted.failures.items())]
+
+
+def _logit_tensors(msg: p.Propose, n: int, idx: torch.Tensor, proposal: Proposal, span: slice) -> dict:
+    if msg.logits == "full" and proposal.logits is not None:
+        full = torch.zeros((n, *proposal.logits.shape[1:]), dtype=torch.bfloat16)
+        full[idx] = proposal.logits[span].to(torch.bfloat16)
+        return {"logits": full}
+    if msg.logits == "topk" and proposal.topk_values is not None:
+        shape = (n, *proposal.topk_values.shape[1:])
+        values = torch.zeros(shape, dtype=torch.bfloat16)
+        indices = torch.full(shape, -1, dtype=torch.int32)
+        values[idx] = proposal.topk_values[span].to(torch.bfloat16)
+        indices[idx] = proposal.topk_indices[span].to(torch.int32)
+        return {"topk_values": values, "topk_indices": indices}
+    return {}

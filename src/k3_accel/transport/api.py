@@ -1,6 +1,7 @@
 """The vLLM-independent step API: settings, one step's input, one step's output."""
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -25,6 +26,10 @@ class ClientSettings:
     context_width: int = 0                    # aux layers x hidden size shipped per row (0 = none)
     hidden_dtype: torch.dtype = torch.bfloat16
     num_speculative_tokens: int = 0           # largest k the target asks for (checked at hello)
+    target_vocab_size: int = 0                # the target's vocabulary: drafts outside it are dropped
+    hidden_size: int = 0                      # the target's hidden size (checked at hello)
+    aux_layer_ids: tuple[int, ...] = ()       # target layers whose outputs are shipped (checked at hello)
+    max_requests: int = 0                     # the target's max_num_seqs (capacity check; 0 = unknown)
     logits: str = "none"                      # draft logits wanted: none | full | topk
     topk: int = 0
     capture_dir: str | None = None            # feature capture (VLLM_K3_DRAFT_CAPTURE_DIR)
@@ -32,9 +37,10 @@ class ClientSettings:
     curve_server_key: str | None = None       # server public key file
     curve_client_key: str | None = None       # this client's certificate (secret) file
     client_name: str = "k3-target"
+    session: str = field(default_factory=lambda: uuid.uuid4().hex)   # namespace key, secret, per instance
     backoff_initial_ms: int = 200             # first retry delay after a failed reconnect
     backoff_max_ms: int = 10000
-    max_retained: int = 256                   # finished requests remembered as reconnect sources
+    heartbeat_ms: int = 2000                  # a ping after this long without a message (keeps the lease)
     zero_copy_min_bytes: int = 64 * 1024      # smaller frames are copied (cheaper than zero-copy)
 
     def __post_init__(self) -> None:
@@ -42,8 +48,9 @@ class ClientSettings:
             raise SettingsError(f"address={self.address!r}: expected tcp://HOST:PORT or ipc://PATH")
         for name, low in (("timeout_ms", 1), ("ring_depth", 0), ("max_rows", 1), ("context_width", 0),
                           ("num_speculative_tokens", 0), ("topk", 0), ("timing_log_interval", 0),
-                          ("backoff_initial_ms", 1), ("backoff_max_ms", 1), ("max_retained", 0),
-                          ("zero_copy_min_bytes", 0)):
+                          ("backoff_initial_ms", 1), ("backoff_max_ms", 1), ("heartbeat_ms", 1),
+                          ("zero_copy_min_bytes", 0), ("target_vocab_size", 0), ("hidden_size", 0),
+                          ("max_requests", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise SettingsError(f"{name}={value!r}: expected an integer >= {low}")
@@ -55,6 +62,10 @@ class ClientSettings:
             raise SettingsError(f"hidden_dtype={self.hidden_dtype!r}: expected a floating torch dtype")
         if bool(self.curve_server_key) != bool(self.curve_client_key):
             raise SettingsError("curve_server_key and curve_client_key go together")
+        if not isinstance(self.session, str) or not 16 <= len(self.session) <= 128:
+            raise SettingsError("session: expected a secret string of 16..128 characters")
+        if any(not isinstance(i, int) or i < 0 for i in self.aux_layer_ids):
+            raise SettingsError(f"aux_layer_ids={self.aux_layer_ids!r}: expected integers >= 0")
 
     @property
     def timeout_s(self) -> float:

@@ -152,6 +152,7 @@ class CaptureJob:
     token_ids: torch.Tensor
     hidden: torch.Tensor | None
     release: Callable[[], None]    # called once written (frees the slot hold)
+    ready: Any = None              # a CUDA event to wait for before reading the views (async copy)
 
 
 class _RequestFiles:
@@ -232,6 +233,8 @@ class CaptureWriter:
 
     def _write(self, job: CaptureJob) -> None:
         try:
+            if job.ready is not None:
+                job.ready.synchronize()
             self._files_for(job).write(job)
             self.records += 1
         except Exception as exc:  # disk full, permissions: report, never crash the target

@@ -1,11 +1,13 @@
 """One DEALER socket to the draft server: sequence numbers, pending replies, deadlines.
 
-Single-threaded by design: the step thread sends and reads replies; ZMQ's
-own I/O thread moves the bytes. Messages are never awaited one by one: a
-reply is matched to its :class:`Pending` by ``seq`` whenever replies are
-read, and the pending's callback runs then. The server handles one client's
-messages in arrival order, so waiting for a message also reads (and
-settles) the replies of everything sent before it.
+Two threads use the socket: the step thread (sends, reads replies) and the
+sender thread (deferred ingests, heartbeats). Every socket operation holds
+``lock`` (a mutex is the full memory barrier ZMQ asks for when a socket
+moves between threads); only the step thread reads replies. Messages are
+never awaited one by one: a reply is matched to its :class:`Pending` by
+``seq`` whenever replies are read, and the pending's callback runs then. The
+server handles one client's messages in arrival order, so waiting for a
+message also reads (and settles) the replies of everything sent before it.
 
 Large tensor frames are sent zero-copy (``copy=False``); pyzmq keeps the
 viewed memory alive until libzmq has sent it. Small frames are copied
@@ -19,10 +21,10 @@ while a frame for it exists.
 """
 from __future__ import annotations
 
-import weakref
-
 import logging
+import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -75,6 +77,7 @@ class Outgoing:
     seq: int
     op: str
     frames: list
+    expects_reply: bool = True
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,8 @@ class Connection:
         self.max_message_bytes = max_message_bytes
         self.on_server_id = on_server_id or (lambda old, new: None)
         self.server_id: str | None = None
-        self.stray_replies = 0
+        self.lock = threading.RLock()
+        self.last_send = 0.0
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         # Strong references, so that a connection dropped without close() still closes its
@@ -123,8 +127,16 @@ class Connection:
     def in_flight(self) -> int:
         return len(self._pending)
 
+    @property
+    def is_open(self) -> bool:
+        return self._sock is not None
+
     def open(self) -> None:
         """A fresh socket (new identity); ZMQ reconnects TCP by itself with backoff."""
+        with self.lock:
+            self._open()
+
+    def _open(self) -> None:
         if self._sock is not None:
             raise RuntimeError("connection already open")
         sock = self._ctx.socket(zmq.DEALER)
@@ -143,17 +155,19 @@ class Connection:
 
     def writable(self, timeout_s: float = 0.0) -> bool:
         """Whether a message can be queued now (a peer is connected), waiting up to ``timeout_s``."""
-        if self._sock is None:
-            return False
-        return bool(self._sock.poll(int(max(timeout_s, 0) * 1000), zmq.POLLOUT))
+        with self.lock:
+            if self._sock is None:
+                return False
+            return bool(self._sock.poll(int(max(timeout_s, 0) * 1000), zmq.POLLOUT))
 
     def abandon(self, reason: Exception) -> list[Pending]:
         """Close the socket (dropping queued frames) and give up every pending reply."""
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._open_socks.remove(self._sock)
-            self._sock = None
-        pending, self._pending = list(self._pending.values()), {}
+        with self.lock:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._open_socks.remove(self._sock)
+                self._sock = None
+            pending, self._pending = list(self._pending.values()), {}
         for item in pending:
             if item.on_abandon is not None:
                 item.on_abandon(item, reason)
@@ -164,32 +178,38 @@ class Connection:
         self._teardown()
 
     # -------------------------------------------------------------- send
-    def send(self, msg: p.Message, tensors: Mapping[str, torch.Tensor] | None = None, *,
-             on_reply: ReplyCallback | None = None,
+    def send(self, msg: p.Message, *frames: Any, on_reply: ReplyCallback | None = None,
              on_abandon: Callable[[Pending, Exception], None] | None = None,
              keepalive: Any = None, timeout_s: float | None = None) -> Pending:
-        """Queue one message (never blocks); large tensor frames go zero-copy."""
-        return self.post(self.encode(msg, tensors), on_reply=on_reply, on_abandon=on_abandon,
-                         keepalive=keepalive, timeout_s=timeout_s)
+        """Encode and queue one message (never blocks); large frames go zero-copy."""
+        with self.lock:
+            return self.post(self.encode(msg, *frames), on_reply=on_reply, on_abandon=on_abandon,
+                             keepalive=keepalive, timeout_s=timeout_s)
 
-    def encode(self, msg: p.Message, tensors: Mapping[str, torch.Tensor] | None = None) -> "Outgoing":
-        """Frames for ``msg`` with the next seq, ready for :meth:`post` (the tensors' bytes
+    def encode(self, msg: p.Message, *frames: Any, expects_reply: bool = True) -> Outgoing:
+        """Frames for ``msg`` with the next seq, ready for :meth:`post` (the frames' bytes
         are read only when posted, so they may still be filling)."""
-        self._seq += 1
-        return Outgoing(self._seq, p.Request(self._seq, msg).op, p.encode_request(self._seq, msg, tensors))
+        with self.lock:
+            self._seq += 1
+            seq = self._seq
+        return Outgoing(seq, msg.__struct_config__.tag, p.encode_request(seq, msg, *frames), expects_reply)
 
-    def post(self, out: "Outgoing", *, on_reply: ReplyCallback | None = None,
+    def post(self, out: Outgoing, *, on_reply: ReplyCallback | None = None,
              on_abandon: Callable[[Pending, Exception], None] | None = None,
-             keepalive: Any = None, timeout_s: float | None = None) -> Pending:
-        """Queue encoded frames (never blocks); :class:`TransportError` if no peer takes them."""
-        if self._sock is None:
-            raise TransportError("not connected")
-        self._send_frames(out.frames)
-        now = time.monotonic()
-        item = Pending(out.seq, out.op, now, now + (self.timeout_s if timeout_s is None else timeout_s),
-                       on_reply, on_abandon, keepalive)
-        self._pending[item.seq] = item
-        return item
+             keepalive: Any = None, timeout_s: float | None = None) -> Pending | None:
+        """Queue encoded frames (never blocks); :class:`TransportError` if no peer takes them.
+        A message that expects no reply (a heartbeat) gets no :class:`Pending`."""
+        with self.lock:
+            if self._sock is None:
+                raise TransportError("not connected")
+            self._send_frames(out.frames)
+            now = self.last_send = time.monotonic()
+            if not out.expects_reply:
+                return None
+            item = Pending(out.seq, out.op, now, now + (self.timeout_s if timeout_s is None else timeout_s),
+                           on_reply, on_abandon, keepalive)
+            self._pending[item.seq] = item
+            return item
 
     def _send_frames(self, frames: list) -> None:
         """Queue a multipart message without blocking (IMMEDIATE: no peer -> EAGAIN at once).
@@ -228,19 +248,20 @@ class Connection:
 
         Stops early once ``until`` (if given) has its reply.
         """
-        if self._sock is None:
-            return 0
         handled = 0
         wait_ms = int(max(timeout_s, 0) * 1000)
-        try:
-            while self._sock.poll(wait_ms, zmq.POLLIN):
-                self._dispatch(self._sock.recv_multipart(zmq.NOBLOCK, copy=False))
-                handled += 1
-                wait_ms = 0
-                if until is not None and until.reply is not None:
-                    break
-        except zmq.ZMQError as exc:
-            raise TransportError(f"receive from {self.address} failed: {exc}") from exc
+        with self.lock:
+            if self._sock is None:
+                return 0
+            try:
+                while self._sock.poll(wait_ms, zmq.POLLIN):
+                    self._dispatch(self._sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                    handled += 1
+                    wait_ms = 0
+                    if until is not None and until.reply is not None:
+                        break
+            except zmq.ZMQError as exc:
+                raise TransportError(f"receive from {self.address} failed: {exc}") from exc
         return handled
 
     def wait(self, item: Pending) -> Reply:
@@ -250,7 +271,7 @@ class Connection:
             if left <= 0 or self._sock is None:
                 raise TransportTimeout(f"no reply to {item.op} seq={item.seq} from {self.address} "
                                        f"within {self.timeout_s:.3f}s")
-            self.poll(min(left, 1.0) + 0.0005, until=item)
+            self.poll(min(left, 0.05), until=item)
         return item.reply
 
     def expire(self) -> None:
@@ -263,23 +284,21 @@ class Connection:
 
     def _dispatch(self, frames: list) -> None:
         reply = self._decode(frames)
-        item = self._pending.pop(reply.seq, None)
-        if item is None:
-            self.stray_replies += 1
-            return
         if reply.server_id:
             self._note_server(reply.server_id)
+        item = self._pending.pop(reply.seq, None)
+        if item is None:                 # a heartbeat's reply (or one given up on)
+            return
         item.reply, item.received_at = reply, time.monotonic()
         if item.on_reply is not None:
             item.on_reply(item)
 
     def _decode(self, frames: list) -> Reply:
         try:
-            return p.decode_reply(frames, self.max_message_bytes)
+            return p.decode_reply(frames)
         except ProtocolError as exc:  # answer the pending with the typed error, if we know it
             log.warning("undecodable reply from %s: %s", self.address, exc)
-            return Reply(seq=exc.seq, ok=False, server_id="",
-                         error={"code": exc.code.value, "message": exc.message})
+            return Reply(exc.seq, False, "", (exc.code.value, exc.message))
 
     def _note_server(self, server_id: str) -> None:
         old, self.server_id = self.server_id, server_id

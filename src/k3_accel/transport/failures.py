@@ -28,7 +28,8 @@ class RingTimeout(TransportError):
 
 
 class IncompatibleServer(Exception):
-    """The server's hello does not fit this target (version, width, K, logits)."""
+    """The server's hello does not fit this target (version, vocabulary, hidden size, aux
+    layers, K, logits)."""
 
 
 class StepInputError(ValueError):
@@ -45,6 +46,9 @@ class FailureKind(str, Enum):
     COLD_START = "cold_start"          # prefix-cache hit that cannot be rebuilt remotely
     CLIENT_GAP = "client_gap"          # rows skip past what the client sent
     NOT_CONNECTED = "not_connected"    # rows arrived while the connection was down
+    CAPACITY = "capacity"              # beyond the server's per-client request limit: not drafted
+    OUT_OF_VOCAB = "out_of_vocab"      # the server sent a draft id outside the target's vocabulary
+    SENDER = "sender"                  # the sender thread failed (treated like a socket failure)
     CAPTURE = "capture"                # a capture write failed (disables nothing)
 
 

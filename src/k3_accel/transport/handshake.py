@@ -1,4 +1,9 @@
-"""Does this server fit this target? The checks run on the ``hello`` reply."""
+"""Does this server fit this target? The one place of the compatibility rules.
+
+The checks run on the ``hello`` reply (by the client, and by ``k3-accel
+doctor``). Every value of the target side comes from the target's own
+configuration, never from the server's word.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,55 +11,88 @@ from dataclasses import dataclass
 import torch
 
 from k3_accel import protocol as p
-from k3_accel.protocol import ProtocolError, Reply, ServerCaps
+from k3_accel.protocol import Caps, ProtocolError, Reply
 from k3_accel.transport.failures import IncompatibleServer
 
 
 @dataclass(frozen=True)
 class TargetNeeds:
-    """What the target will ask of the server."""
-    context_width: int            # aux layers x hidden size of the rows it can ship (0 = none)
+    """What the target is and will ask of the server."""
+    context_width: int            # aux layers x hidden size of the rows it ships (0 = none)
     hidden_dtype: torch.dtype
     num_speculative_tokens: int   # the largest k it will ask for
     logits: str = "none"          # "none" | "full" | "topk"
     topk: int = 0
+    vocab_size: int = 0           # the target's vocabulary (0 = unknown: not checked)
+    hidden_size: int = 0          # the target's hidden size (0 = unknown: not checked)
+    aux_layer_ids: tuple[int, ...] = ()
+    max_requests: int = 0         # the target's max_num_seqs (0 = unknown)
+
+    @classmethod
+    def from_settings(cls, s) -> "TargetNeeds":
+        return cls(s.context_width, s.hidden_dtype, s.num_speculative_tokens, s.logits, s.topk,
+                   s.target_vocab_size, s.hidden_size, tuple(s.aux_layer_ids), s.max_requests)
 
 
-def caps_from_hello(reply: Reply) -> ServerCaps:
+def caps_from_hello(reply: Reply) -> Caps:
     """The server's capabilities; :class:`IncompatibleServer` if the reply is not a usable hello."""
     if not reply.ok:
-        err = reply.error or {}
-        raise IncompatibleServer(f"hello refused: {err.get('code')}: {err.get('message')}")
+        code, message = reply.error or ("?", "")
+        raise IncompatibleServer(f"hello refused: {code}: {message}")
     try:
-        return p.caps_from_body(reply.body.get("caps"))
+        return p.caps_from_result(reply.result)
     except ProtocolError as exc:
-        raise IncompatibleServer(f"hello reply carries no valid caps: {exc}") from None
+        raise IncompatibleServer(f"hello reply carries no valid caps: {exc.message}") from None
 
 
-def problems(caps: ServerCaps, needs: TargetNeeds) -> list[str]:
-    """Every reason the server cannot serve this target (empty = compatible)."""
+def problems(caps: Caps, needs: TargetNeeds) -> list[str]:
+    """Every reason the server cannot serve this target (empty = compatible); each names both values."""
     out = []
     if caps.protocol != p.PROTOCOL_VERSION:
-        out.append(f"server speaks protocol {caps.protocol}, this client {p.PROTOCOL_VERSION}")
+        out.append(f"protocol: server {caps.protocol}, client {p.PROTOCOL_VERSION}")
+    if caps.vocab_size and needs.vocab_size and caps.vocab_size != needs.vocab_size:
+        out.append(f"vocabulary: server drafts ids 0..{caps.vocab_size - 1}, target vocabulary is "
+                   f"{needs.vocab_size}")
     if caps.needs_hidden_states:
-        if needs.context_width <= 0:
-            out.append(f"engine {caps.engine} needs hidden rows but the target ships none")
-        elif caps.context_width != needs.context_width:
-            out.append(f"context width: server expects {caps.context_width}, target ships "
-                       f"{needs.context_width} (aux layers x hidden size)")
-        dtype = str(needs.hidden_dtype).replace("torch.", "")
-        if dtype not in caps.hidden_dtypes:
-            out.append(f"hidden dtype {dtype} not in the server's {caps.hidden_dtypes}")
+        out.extend(_hidden_problems(caps, needs))
     if needs.num_speculative_tokens > caps.max_spec_tokens:
-        out.append(f"k={needs.num_speculative_tokens} exceeds the server's max_spec_tokens={caps.max_spec_tokens}")
+        out.append(f"K: target asks for {needs.num_speculative_tokens}, server allows "
+                   f"{caps.max_spec_tokens}")
     if needs.logits == "full" and not caps.supports_logits:
-        out.append(f"target needs draft logits; engine {caps.engine} returns none")
+        out.append(f"logits: target needs draft logits, engine {caps.engine} returns none")
     if needs.logits == "topk" and not caps.supports_topk:
-        out.append(f"target needs top-k draft logits; engine {caps.engine} does not support them")
+        out.append(f"logits: target needs top-k draft logits, engine {caps.engine} has none")
     return out
 
 
-def check(reply: Reply, needs: TargetNeeds) -> ServerCaps:
+def _hidden_problems(caps: Caps, needs: TargetNeeds) -> list[str]:
+    if needs.context_width <= 0:
+        return [f"hidden rows: engine {caps.engine} needs them, the target ships none"]
+    out = []
+    if needs.hidden_size and caps.hidden_size and needs.hidden_size != caps.hidden_size:
+        out.append(f"hidden size: server {caps.hidden_size}, target {needs.hidden_size}")
+    if needs.aux_layer_ids and tuple(caps.aux_layer_ids) != tuple(needs.aux_layer_ids):
+        out.append(f"aux layer ids: server {list(caps.aux_layer_ids)}, target captures "
+                   f"{list(needs.aux_layer_ids)}")
+    if caps.context_width != needs.context_width:
+        out.append(f"context width: server {caps.context_width}, target ships {needs.context_width} "
+                   f"(aux layers x hidden size)")
+    dtype = str(needs.hidden_dtype).replace("torch.", "")
+    if dtype not in caps.hidden_dtypes:
+        out.append(f"hidden dtype: target {dtype}, server takes {caps.hidden_dtypes}")
+    return out
+
+
+def warnings(caps: Caps, needs: TargetNeeds) -> list[str]:
+    """Fit but not fully: what the target should know (capacity)."""
+    out = []
+    if needs.max_requests and caps.max_requests and needs.max_requests > caps.max_requests:
+        out.append(f"capacity: target runs up to {needs.max_requests} requests (max_num_seqs), the server "
+                   f"admits {caps.max_requests} per client: the excess is not drafted")
+    return out
+
+
+def check(reply: Reply, needs: TargetNeeds) -> Caps:
     """The caps when compatible; else :class:`IncompatibleServer` naming every problem."""
     caps = caps_from_hello(reply)
     found = problems(caps, needs)

@@ -1,14 +1,16 @@
-"""Where a step's context rows go in a staging slot, and the copies that put them there.
+"""A step's rows: which requests ship what, where the rows sit in a staging slot,
+the copies that put them there, and how they are cut into messages.
 
-A step's rows are split into two messages that each need contiguous rows:
-an ``ingest`` (requests that only ship context) followed by a ``propose``
-(requests that want drafts). The slot holds the ingest group's rows first,
-then the propose group's, each in input order; the copies are merged into
-as few contiguous runs as the input allows (usually one or two).
+The slot holds the ingest group's rows first, then the propose group's, each
+in input order. On CUDA the rows are gathered into a private device buffer
+on the compute stream (the buffer the target's next forward writes is never
+the one being copied) and copied to the pinned slot on a side stream; the
+returned event says when the slot is filled. Without CUDA the copy is a
+plain memcpy on the calling thread.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,117 +18,139 @@ import torch
 
 @dataclass
 class RowPlan:
-    """Slot placement of the staged requests (indices into the step's request list)."""
-    counts: list[int]
-    src: list[int]                            # input row offset of every request
-    ingest: list[int]                         # requests in the ingest message, input order
-    propose: list[int]                        # requests in the propose message, input order
-    dst: dict[int, int] = field(default_factory=dict)   # slot row offset of each staged request
-    hidden: bool = False                      # hidden rows were staged too
+    """Requests (indexes into the step's inputs) in slot order, and their rows."""
+    ingest: np.ndarray        # requests that only ship rows
+    propose: np.ndarray       # requests that want drafts
+    starts: np.ndarray        # [R] position of each request's first row (anchor - count)
+    counts: np.ndarray        # [R]
+    src: np.ndarray           # [R] offset of each request's rows in the step input
+
+    @property
+    def order(self) -> np.ndarray:
+        return np.concatenate((self.ingest, self.propose))
 
     @property
     def ingest_rows(self) -> int:
-        return sum(self.counts[i] for i in self.ingest)
-
-    @property
-    def propose_rows(self) -> int:
-        return sum(self.counts[i] for i in self.propose)
+        return int(self.counts[self.ingest].sum())
 
     @property
     def total_rows(self) -> int:
-        return self.ingest_rows + self.propose_rows
+        return int(self.counts[self.order].sum())
 
-    def staged(self) -> list[int]:
-        return self.ingest + self.propose
+    def dst(self) -> np.ndarray:
+        """Slot row offset of each request in :attr:`order`."""
+        c = self.counts[self.order]
+        return np.cumsum(c) - c
 
-
-def plan_rows(counts: list[int], ingest: list[int], propose: list[int], hidden: bool = False) -> RowPlan:
-    """Offsets for ``ingest`` then ``propose`` requests, packed from slot row 0."""
-    src, at = [], 0
-    for c in counts:
-        src.append(at)
-        at += c
-    plan = RowPlan(list(counts), src, list(ingest), list(propose), hidden=hidden)
-    at = 0
-    for i in plan.staged():
-        plan.dst[i] = at
-        at += counts[i]
-    return plan
+    def row_index(self) -> np.ndarray | None:
+        """Input row of every slot row (None: the slot takes the input rows as they are)."""
+        order = self.order
+        c = self.counts[order]
+        total = int(c.sum())
+        shift = np.repeat(self.src[order] - (np.cumsum(c) - c), c)
+        if not shift.any() and total == int(self.counts.sum()):
+            return None
+        return shift + np.arange(total)
 
 
-def copy_runs(plan: RowPlan) -> list[tuple[int, int, int]]:
-    """``(src_row, dst_row, rows)`` copies, adjacent requests merged."""
-    runs: list[list[int]] = []
-    for i in plan.staged():
-        n = plan.counts[i]
-        if n == 0:
-            continue
-        s, d = plan.src[i], plan.dst[i]
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += n
-        else:
-            runs.append([s, d, n])
-    return [tuple(r) for r in runs]
+def plan_rows(counts: np.ndarray, anchor_positions: np.ndarray, ingest: np.ndarray, propose: np.ndarray) -> RowPlan:
+    return RowPlan(ingest, propose, anchor_positions - counts, counts, np.cumsum(counts) - counts)
 
 
-def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``: asynchronous from a CUDA source into pinned memory;
-    a plain single-threaded memcpy between same-dtype contiguous CPU tensors
-    (torch's intra-op thread pool makes large CPU copies slow on a busy host)."""
-    if (src.device.type == "cpu" and src.dtype == dst.dtype and src.is_contiguous()
-            and dst.is_contiguous() and src.numel()):
+_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def stage(slot, index: np.ndarray | None, total: int, token_ids: torch.Tensor,
+          hidden: torch.Tensor | None, private: bool):
+    """Copy the rows into ``slot``; returns a CUDA event that completes when they are there
+    (None: already there). ``private``: the step returns before the copy is done, so the
+    rows are first gathered into a buffer that nothing else writes."""
+    if total == 0:
+        return None
+    dev = token_ids.device
+    if dev.type != "cuda":
+        idx = None if index is None else torch.from_numpy(index)
+        _copy_cpu(slot.token_ids[:total], token_ids if idx is None else token_ids.index_select(0, idx))
+        if hidden is not None:
+            _copy_cpu(slot.hidden[:total], hidden if idx is None else hidden.index_select(0, idx))
+        return None
+    compute, side = torch.cuda.current_stream(dev), _side_stream(dev)
+    if index is not None:
+        idx = torch.from_numpy(index).to(dev, non_blocking=True)
+        srcs = [token_ids.index_select(0, idx)] + ([hidden.index_select(0, idx)] if hidden is not None else [])
+    else:
+        srcs = [token_ids] + ([hidden] if hidden is not None else [])
+        if private:
+            srcs = [t.clone() for t in srcs]
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        dsts = [slot.token_ids[:total]] + ([slot.hidden[:total]] if hidden is not None else [])
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(side)
+        done = torch.cuda.Event()
+        done.record(side)
+    return done
+
+
+def _copy_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A plain single-threaded memcpy (torch's intra-op pool is slow on a busy host)."""
+    if src.dtype == dst.dtype and src.is_contiguous():
         np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
     else:
-        dst.copy_(src, non_blocking=True)
+        dst.copy_(src)
 
 
-def stage(slot, plan: RowPlan, positions: torch.Tensor, token_ids: torch.Tensor,
-          hidden: torch.Tensor | None) -> None:
-    """Issue the device->slot copies (asynchronous for CUDA sources into pinned slots).
+# --------------------------------------------------------------- splitting
+@dataclass
+class Part:
+    """One message's share: rows ``lo..hi-1`` of the slot, and per request (``index`` into
+    the group) its ``starts`` and ``counts`` in this message."""
+    index: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+    lo: int
+    hi: int
 
-    Hidden rows go first: issuing the small copies then overlaps the big transfer.
+
+def split(starts: np.ndarray, counts: np.ndarray, base: int, max_rows: int) -> list[Part]:
+    """Cut a group's rows (slot rows ``base..``) into messages of at most ``max_rows`` rows.
+
+    Requests keep their order; a request's rows may span messages. Every request
+    appears in at least one part (with 0 rows if it has none).
     """
-    runs = copy_runs(plan)
-    if plan.hidden:
-        for s, d, n in runs:
-            copy_rows(slot.hidden[d:d + n], hidden[s:s + n])
-    for s, d, n in runs:
-        copy_rows(slot.positions[d:d + n], positions[s:s + n])
-        copy_rows(slot.token_ids[d:d + n], token_ids[s:s + n])
+    total = int(counts.sum())
+    if total <= max_rows:
+        return [Part(np.arange(len(counts)), starts, counts, base, base + total)]
+    parts, cur, at, lo = [], ([], [], []), base, base
+    for i, (s, c) in enumerate(zip(starts.tolist(), counts.tolist())):
+        placed = False
+        while c > 0 or not placed:
+            if at - lo == max_rows:
+                parts.append(_part(cur, lo, at))
+                cur, lo = ([], [], []), at
+            take = min(c, max_rows - (at - lo))
+            for col, v in zip(cur, (i, s, take)):
+                col.append(v)
+            s, c, at, placed = s + take, c - take, at + take, True
+    parts.append(_part(cur, lo, at))
+    return parts
 
 
-_EVENTS: dict[torch.device, "torch.cuda.Event"] = {}
+def _part(cols, lo: int, hi: int) -> Part:
+    return Part(*(np.asarray(c, dtype=np.int64) for c in cols), lo, hi)
 
 
-def wait_for_copies(*tensors: torch.Tensor | None) -> None:
-    """Block until copies queued on the current streams of the given tensors' devices are done."""
-    devices = {t.device for t in tensors if t is not None and t.device.type == "cuda"}
-    for device in devices:
-        event = _EVENTS.get(device)
-        if event is None:
-            event = _EVENTS[device] = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        event.synchronize()
-
-
-def _move(buf: torch.Tensor | None, src: int, dst: int, n: int) -> None:
-    if buf is None or n == 0 or src == dst:
-        return
-    chunk = buf[src:src + n]
-    buf[dst:dst + n].copy_(chunk.clone() if src - dst < n else chunk)
-
-
-def compact(slot, plan: RowPlan, drop: set[int]) -> RowPlan:
-    """Remove ``drop`` requests from the plan, closing the holes in the slot (rare path)."""
-    kept = RowPlan(plan.counts, plan.src, [i for i in plan.ingest if i not in drop],
-                   [i for i in plan.propose if i not in drop], hidden=plan.hidden)
-    at = 0
-    for i in kept.staged():
-        n = plan.counts[i]
-        old = plan.dst[i]
-        _move(slot.positions, old, at, n)
-        _move(slot.token_ids, old, at, n)
-        _move(slot.hidden if plan.hidden else None, old, at, n)
-        kept.dst[i] = at
-        at += n
-    return kept
+def tail(starts: np.ndarray, counts: np.ndarray, base: int, lo: int) -> Part:
+    """Every request of a group with only its rows at slot rows ``lo..`` (a propose after
+    the group's earlier rows went out as ingests): requests done earlier get 0 rows."""
+    row_start = base + np.cumsum(counts) - counts
+    keep = np.clip(row_start + counts - np.maximum(lo, row_start), 0, counts)
+    return Part(np.arange(len(counts)), starts + counts - keep, keep, lo, base + int(counts.sum()))

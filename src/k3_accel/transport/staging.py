@@ -1,6 +1,7 @@
 """The pinned staging ring: N host slots that context rows are copied into.
 
-A step copies its rows device->slot, and the frames it sends are zero-copy
+A step copies its rows device->slot (token ids and hidden rows; positions
+are implied by each request's start), and the frames it sends are zero-copy
 views of the slot. A slot is *busy* while it holds a **hold** per message
 whose reply has not arrived (and per capture job not written yet): a reply
 proves the server has every byte, so libzmq no longer reads the slot.
@@ -39,17 +40,15 @@ def pinning_available() -> bool:
 class Slot:
     """One staging slot: row-aligned buffers of ``capacity`` rows."""
     index: int
-    positions: torch.Tensor                 # [capacity] int64
     token_ids: torch.Tensor                 # [capacity] int64
     hidden: torch.Tensor | None             # [capacity, width] or None
     holds: int = 0
-    uses: int = 0                           # how many steps have acquired it
     retired: bool = False                   # memory may still be read by libzmq: replace it
     generation: int = 0                     # how many times its memory was replaced
 
     @property
     def capacity(self) -> int:
-        return self.positions.numel()
+        return self.token_ids.numel()
 
 
 class StagingRing:
@@ -66,11 +65,11 @@ class StagingRing:
         self._next = 0
         self.slots = [self._new_slot(i) for i in range(depth)]
 
-    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         def buf(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
         hidden = buf(self.capacity, self.width, dtype=self.dtype) if self.width else None
-        return buf(self.capacity, dtype=torch.int64), buf(self.capacity, dtype=torch.int64), hidden
+        return buf(self.capacity, dtype=torch.int64), hidden
 
     def _new_slot(self, index: int) -> Slot:
         return Slot(index, *self._buffers())
@@ -81,7 +80,7 @@ class StagingRing:
 
     @property
     def nbytes(self) -> int:
-        per_row = 16 + self.width * self.dtype.itemsize
+        per_row = 8 + self.width * self.dtype.itemsize
         return per_row * self.capacity * self.depth
 
     # ------------------------------------------------------------ lifetime
@@ -106,7 +105,7 @@ class StagingRing:
             slot.retired = True
 
     def _renew(self, slot: Slot) -> None:
-        slot.positions, slot.token_ids, slot.hidden = self._buffers()
+        slot.token_ids, slot.hidden = self._buffers()
         slot.retired = False
         slot.generation += 1
 
@@ -134,5 +133,4 @@ class StagingRing:
         if slot.retired:
             self._renew(slot)
         self._next = (self._next + 1) % len(self.slots)
-        slot.uses += 1
         return slot, waited

@@ -28,7 +28,6 @@ log = logging.getLogger("k3_accel.vllm")
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 NGRAM_MODULE = "vllm.v1.spec_decode.ngram_proposer"
-METHODS = ("dflash", "ngram")      # methods the V1 runner drafts remotely
 
 
 def install() -> None:
@@ -92,14 +91,7 @@ def _wrap_init(init):
 
 
 def _wants_remote(vllm_config: Any) -> bool:
-    if not remote_enabled(vllm_config):
-        return False
-    method = vllm_config.speculative_config.method
-    if method not in METHODS:
-        log.warning("k3-accel: remote drafting on the V1 runner supports methods %s, not %r; "
-                    "drafting stays local (stock vLLM)", list(METHODS), method)
-        return False
-    return True
+    return remote_enabled(vllm_config)
 
 
 @contextlib.contextmanager

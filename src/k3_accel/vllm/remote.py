@@ -16,17 +16,43 @@ from k3_accel.transport.api import ClientSettings, StepInput, StepOutput
 
 log = logging.getLogger("k3_accel.vllm")
 
-# speculative methods whose target ships aux hidden states to the draft server
-HIDDEN_METHODS = ("dflash", "dspark")
+# speculative methods a k3-draft-server drafts for (and, of them, those that ship aux hidden states)
+REMOTE_METHODS = ("dflash", "ngram")
+HIDDEN_METHODS = ("dflash",)
+# DFlash-method draft architectures that are not plain DFlash (vLLM drafts them with other code)
+_OTHER_DFLASH_ARCHS = ("DFlash2DraftModel", "DFlash2BeamDraftModel", "LiLiCorrDraftModel")
+_warned: set[str] = set()
 
 
 def plugin_config(vllm_config: Any) -> K3Config:
     return load_config(getattr(vllm_config, "additional_config", None) or {})
 
 
+def unserved_reason(spec: Any) -> str | None:
+    """Why a k3-draft-server cannot draft for this speculative config (None: it can)."""
+    if spec.method not in REMOTE_METHODS:
+        return f"method {spec.method!r} is drafted locally (remote methods: {list(REMOTE_METHODS)})"
+    archs = getattr(getattr(spec, "draft_model_config", None), "architectures", None) or ()
+    other = [a for a in archs if a in _OTHER_DFLASH_ARCHS or "XPress" in a]
+    if spec.method == "dflash" and other:
+        return f"draft architecture {other[0]} is not plain DFlash"
+    return None
+
+
 def remote_enabled(vllm_config: Any) -> bool:
-    """Remote drafting is on when speculation is configured and an address is set."""
-    return vllm_config.speculative_config is not None and bool(plugin_config(vllm_config).draft_address)
+    """Remote drafting is on when speculation is configured, an address is set and the
+    method is one the draft server serves; any other method keeps vLLM's own drafting
+    (one warning that the address is ignored for it)."""
+    spec = vllm_config.speculative_config
+    if spec is None or not plugin_config(vllm_config).draft_address:
+        return False
+    why = unserved_reason(spec)
+    if why is not None:
+        if why not in _warned:
+            _warned.add(why)
+            log.warning("k3-accel: draft_address is ignored: %s", why)
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -37,6 +63,8 @@ class TargetFacts:
     hidden_size: int
     hidden_dtype: torch.dtype
     max_rows: int
+    vocab_size: int = 0
+    max_num_seqs: int = 0
 
     @property
     def context_width(self) -> int:
@@ -57,10 +85,17 @@ def _aux_layer_ids(spec: Any) -> tuple[int, ...]:
 def target_facts(vllm_config: Any) -> TargetFacts:
     spec = vllm_config.speculative_config
     model = vllm_config.model_config
+    sched = vllm_config.scheduler_config
     return TargetFacts(method=spec.method, num_speculative_tokens=int(spec.num_speculative_tokens),
                        aux_layer_ids=_aux_layer_ids(spec), hidden_size=int(model.get_hidden_size()),
-                       hidden_dtype=model.dtype,
-                       max_rows=int(vllm_config.scheduler_config.max_num_batched_tokens))
+                       hidden_dtype=model.dtype, max_rows=int(sched.max_num_batched_tokens),
+                       vocab_size=int(model.get_vocab_size()), max_num_seqs=int(sched.max_num_seqs))
+
+
+def _client_name(vllm_config: Any) -> str:
+    """``vllm-dp<rank>`` (a label for the server's logs and metrics; the session key is random)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return f"vllm-dp{int(getattr(parallel, 'data_parallel_rank', 0) or 0)}"
 
 
 def _tp_group():
@@ -79,10 +114,13 @@ class RemoteDraftSession:
         self.errors = 0
         if self.group.rank_in_group == 0:
             from k3_accel.transport.client import DraftClient
+            f = self.facts
             settings = ClientSettings.from_config(
-                plugin_config(vllm_config), max_rows=self.facts.max_rows,
-                context_width=self.facts.context_width, hidden_dtype=self.facts.hidden_dtype,
-                num_speculative_tokens=self.facts.num_speculative_tokens)
+                plugin_config(vllm_config), max_rows=f.max_rows, context_width=f.context_width,
+                hidden_dtype=f.hidden_dtype, num_speculative_tokens=f.num_speculative_tokens,
+                target_vocab_size=f.vocab_size, hidden_size=f.hidden_size if f.aux_layer_ids else 0,
+                aux_layer_ids=f.aux_layer_ids, max_requests=f.max_num_seqs,
+                client_name=_client_name(vllm_config))
             self.client = DraftClient(settings).start()
             log.info("k3-accel: remote drafting via %s (method=%s, K=%d, context width %d)",
                      settings.address, self.facts.method, self.facts.num_speculative_tokens,

@@ -153,6 +153,7 @@ class RemoteSpeculatorMixin:
         self.device = torch.device(device)
         self.req_states = req_states
         self.num_speculative_steps = int(spec.num_speculative_tokens)
+        self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.max_num_reqs = int(vllm_config.scheduler_config.max_num_seqs)
         self.drafts = torch.full((self.max_num_reqs, self.num_speculative_steps), -1,
                                  dtype=torch.int64, device=self.device)
@@ -222,13 +223,14 @@ class RemoteSpeculatorMixin:
                 else:
                     out[torch.from_numpy(keep).to(self.device), :k] = drafts
         if k > 0 and self.fill_missing_drafts:
-            self._fill_missing(out[:, :k], input_batch, last_sampled)
+            self._fill_missing(out[:, :k], input_batch, last_sampled, self.vocab_size)
         return out
 
     # ------------------------------------------------------------ helpers
     @staticmethod
-    def _fill_missing(cols: torch.Tensor, input_batch, last_sampled: torch.Tensor) -> None:
-        """Replace -1 (no draft) by the request's last sampled token, like vLLM's ``NgramGPUSpeculator``.
+    def _fill_missing(cols: torch.Tensor, input_batch, last_sampled: torch.Tensor, vocab_size: int = 0) -> None:
+        """Replace -1 (no draft), and any id outside the target's vocabulary, by the request's
+        last sampled token, like vLLM's ``NgramGPUSpeculator``.
 
         The V2 runner copies these drafts into the next step's ``input_ids``
         unchecked (``_combine_sampled_and_draft_tokens_kernel``; with async
@@ -240,7 +242,8 @@ class RemoteSpeculatorMixin:
         slots = input_batch.idx_mapping[: cols.shape[0]]
         flat = last_sampled.reshape(-1) if last_sampled.dim() > 1 and last_sampled.shape[-1] == 1 else last_sampled
         filler = flat.index_select(0, slots).to(torch.int64).clamp_min_(0).unsqueeze(1)
-        cols.copy_(torch.where(cols < 0, filler, cols))
+        missing = (cols < 0) | (cols >= vocab_size) if vocab_size > 0 else cols < 0
+        cols.copy_(torch.where(missing, filler, cols))
 
     def _step(self, input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
               next_prefill_tokens, keep: np.ndarray, k: int) -> torch.Tensor:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 CopyBlock = Callable[[int, int, int], None]   # (src block, dst block, rows to copy)
 
 
@@ -40,23 +42,24 @@ class BlockPool:
         if num_blocks < 1 or block_rows < 1:
             raise ValueError(f"a pool needs >= 1 block of >= 1 row, got {num_blocks} x {block_rows}")
         self.num_blocks, self.block_rows = num_blocks, block_rows
-        self._refs = [0] * num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
+        self._refs = np.zeros(num_blocks, dtype=np.int32)
+        self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int64)   # a stack: low ids first
+        self._top = num_blocks                                           # free ids: _free[:_top]
 
     # ------------------------------------------------------------- counts
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return self._top
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._top
 
     def blocks_for(self, rows: int) -> int:
         return -(-rows // self.block_rows)
 
     def refcount(self, block: int) -> int:
-        return self._refs[block]
+        return int(self._refs[block])
 
     def blocks_needed(self, table: BlockTable, start: int, count: int) -> int:
         """Free blocks the pool must have for a table to hold rows ``start .. start+count-1``
@@ -69,25 +72,29 @@ class BlockPool:
         need = self.blocks_for(start + count) - keep
         if start % self.block_rows and self._refs[table.blocks[keep - 1]] > 1:
             need += 1                              # the partial block is shared: it gets copied
-        freed = sum(self._refs[b] == 1 for b in table.blocks[keep:])
+        freed = int((self._refs[table.blocks[keep:]] == 1).sum()) if len(table.blocks) > keep else 0
         return max(0, need - freed)
 
     # --------------------------------------------------------- primitives
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise PoolExhausted(n, len(self._free))
-        out = [self._free.pop() for _ in range(n)]
-        for b in out:
-            self._refs[b] = 1
-        return out
+        if n > self._top:
+            raise PoolExhausted(n, self._top)
+        if n <= 0:
+            return []
+        out = self._free[self._top - n:self._top][::-1]
+        self._top -= n
+        self._refs[out] = 1
+        return out.tolist()
 
     def release_blocks(self, blocks: list[int]) -> None:
         for b in blocks:
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free.append(b)
-            elif self._refs[b] < 0:
+            left = self._refs[b] - 1
+            if left < 0:
                 raise AssertionError(f"block {b} released more often than held")
+            self._refs[b] = left
+            if left == 0:
+                self._free[self._top] = b
+                self._top += 1
 
     # ------------------------------------------------------ table editing
     def truncate(self, table: BlockTable, length: int) -> None:
@@ -105,8 +112,8 @@ class BlockPool:
         ``(block, row_in_block)`` slot of each new row. Raises :class:`PoolExhausted`
         (nothing changed) when the pool is short."""
         need = self.blocks_needed(table, start, count)
-        if need > len(self._free):
-            raise PoolExhausted(need, len(self._free))
+        if need > self._top:
+            raise PoolExhausted(need, self._top)
         self.truncate(table, start)
         if count <= 0:
             return []

@@ -1,0 +1,181 @@
+"""The server's boundary for context rows: check a row message, admit its requests, apply them.
+
+Checks come in two layers, both before any state changes:
+
+1. :func:`check_message` — the message as a whole (field ranges, row
+   counts, hidden width and dtype, K, logits mode). A failure rejects the
+   message with one typed error.
+2. :func:`admit` — each request on its own (context gap, non-finite rows,
+   anchor outside the vocabulary, request limits, pool room). A failure is
+   that request's alone: the others go on, and its stored context is left
+   exactly as it was.
+
+:func:`apply` then stores the admitted requests' rows with one engine call.
+Engines trust what reaches them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from k3_accel import protocol as p
+from k3_accel.protocol import ErrorCode, ProtocolError
+from k3_accel.server.engines.base import EngineCaps, IngestBatch
+from k3_accel.server.state import RequestError, RequestState, RequestStore, Session
+
+
+@dataclass
+class RowMessage:
+    """A checked ingest or propose: per-request columns and the rows they own."""
+    handles: np.ndarray          # [n] int64
+    starts: np.ndarray           # [n]
+    counts: np.ndarray           # [n]
+    offsets: np.ndarray          # [n + 1]: request i owns rows offsets[i]..offsets[i+1]-1
+    tokens: np.ndarray           # [rows]
+    hidden: torch.Tensor | None  # [rows, width]
+    anchors: np.ndarray | None   # [n] (propose)
+    k: int = 0
+    logits: str = "none"
+    topk: int = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.handles)
+
+
+def check_message(req: p.Request, caps: EngineCaps) -> RowMessage:
+    """Message-level checks; :class:`ProtocolError` rejects the whole message."""
+    msg, meta = req.msg, req.meta
+    handles, starts, counts = meta[:, 0], meta[:, 1], meta[:, 2]
+    if (handles < 0).any() or (starts < 0).any() or (counts < 0).any():
+        raise ProtocolError(ErrorCode.BAD_FIELD, "handles, starts and counts must be >= 0")
+    if int(counts.sum()) != msg.rows:
+        raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"counts add up to {int(counts.sum())}, rows={msg.rows}")
+    if len(np.unique(handles)) != len(handles):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "a request handle appears twice in one message")
+    _check_hidden(msg, caps)
+    out = RowMessage(handles, starts, counts, np.concatenate(([0], np.cumsum(counts))), req.tokens,
+                     req.hidden, None)
+    if isinstance(msg, p.Propose):
+        _check_propose(msg, caps)
+        out.anchors, out.k, out.logits, out.topk = meta[:, 3], msg.k, msg.logits, msg.topk
+    return out
+
+
+def _check_hidden(msg, caps: EngineCaps) -> None:
+    if not msg.hidden:
+        if caps.needs_hidden_states and msg.rows:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"engine {caps.kind} needs hidden rows with every row")
+        return
+    if not caps.needs_hidden_states:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"engine {caps.kind} takes no hidden rows")
+    if msg.width != caps.context_width:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden rows are {msg.width} wide, the engine "
+                                                   f"expects {caps.context_width}")
+    if msg.hidden not in caps.hidden_dtypes:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"hidden dtype {msg.hidden} not in {list(caps.hidden_dtypes)}")
+
+
+def _check_propose(msg: p.Propose, caps: EngineCaps) -> None:
+    if not 0 <= msg.k <= caps.max_spec_tokens:
+        raise ProtocolError(ErrorCode.K_TOO_LARGE, f"k={msg.k}, the server allows 0..{caps.max_spec_tokens}")
+    if msg.logits not in ("none", "full", "topk"):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"logits={msg.logits!r}: allowed none, full, topk")
+    if msg.logits == "full" and not caps.supports_logits:
+        raise ProtocolError(ErrorCode.UNSUPPORTED, f"engine {caps.kind} returns no logits")
+    if msg.logits == "topk" and not (caps.supports_topk and msg.topk > 0):
+        raise ProtocolError(ErrorCode.UNSUPPORTED, f"engine {caps.kind}: top-k needs supports_topk and topk > 0")
+
+
+def bad_rows(hidden: torch.Tensor | None, offsets: np.ndarray) -> np.ndarray:
+    """Per request: how many of its hidden rows hold NaN or Inf (zeros without hidden rows)."""
+    if hidden is None or hidden.shape[0] == 0:
+        return np.zeros(len(offsets) - 1, dtype=np.int64)
+    bad = (~torch.isfinite(hidden).all(dim=1)).numpy().astype(np.int64)
+    running = np.concatenate(([0], np.cumsum(bad)))
+    return running[offsets[1:]] - running[offsets[:-1]]
+
+
+@dataclass
+class Admitted:
+    """What :func:`admit` let through: request indexes and their states, and the failures."""
+    index: list[int] = field(default_factory=list)
+    states: list[RequestState] = field(default_factory=list)
+    failures: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    def fail(self, i: int, exc: RequestError) -> None:
+        self.failures[i] = (exc.code.value, exc.message)
+
+
+def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
+    """Per-request checks and pool admission; changes nothing but the retained LRU."""
+    out, vocab = Admitted(), store.engine.caps.vocab_size
+    bad = bad_rows(rows.hidden, rows.offsets)
+    need, fresh, pending = [], 0, []
+    for i, (handle, start, count) in enumerate(zip(rows.handles.tolist(), rows.starts.tolist(),
+                                                   rows.counts.tolist())):
+        state = store.lookup(session, handle)
+        try:
+            length = state.length if state is not None else 0
+            if start > length:
+                raise RequestError(ErrorCode.CONTEXT_GAP, f"request {handle}: rows start at {start}, "
+                                                          f"its context ends at {length}")
+            if bad[i]:
+                raise RequestError(ErrorCode.NON_FINITE, f"request {handle}: {bad[i]} hidden row(s) hold NaN or Inf")
+            if rows.anchors is not None and vocab and not 0 <= int(rows.anchors[i]) < vocab:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"request {handle}: anchor token "
+                                                          f"{int(rows.anchors[i])} outside the vocabulary 0..{vocab - 1}")
+            if state is None or session.active.get(handle) is not state:
+                store.check_room(session, fresh + 1)
+        except RequestError as exc:
+            out.fail(i, exc)
+            continue
+        if state is None:
+            state = store.new_state(session, handle)
+        if session.active.get(handle) is not state:
+            fresh += 1
+        pending.append((i, state))
+        need.append(store.engine.blocks_needed(state.engine_state, start, count) if count else 0)
+    total = 0
+    for (i, state), blocks in zip(pending, need):
+        try:
+            store.make_room(total + blocks, keep=out.states + [state])
+        except RequestError as exc:
+            out.fail(i, exc)
+            continue
+        total += blocks
+        out.index.append(i)
+        out.states.append(state)
+    return out
+
+
+def apply(store: RequestStore, rows: RowMessage, admitted: Admitted) -> int:
+    """Store the admitted requests' rows (one engine call); returns the rows stored."""
+    idx = np.asarray(admitted.index, dtype=np.int64)
+    for state in admitted.states:
+        store.activate(state)
+    if len(idx) == 0:
+        return 0
+    starts, counts = rows.starts[idx], rows.counts[idx]
+    tokens, hidden = rows.tokens, rows.hidden
+    if len(idx) < rows.n:                         # some failed: keep only the admitted rows
+        keep = np.repeat(np.isin(np.arange(rows.n), idx), rows.counts)
+        tokens = tokens[keep]
+        hidden = hidden[torch.from_numpy(keep)] if hidden is not None else None
+    offsets = np.concatenate(([0], np.cumsum(counts)))
+    total = int(offsets[-1])
+    changed = [j for j, (s, c) in enumerate(zip(starts.tolist(), counts.tolist()))
+               if c or s < admitted.states[j].length]            # rows to add, or a rewind
+    if changed:
+        positions = np.repeat(starts - offsets[:-1], counts) + np.arange(total)
+        if len(changed) < len(idx):               # only requests without rows are left out
+            starts, counts = starts[changed], counts[changed]
+        store.engine.ingest(IngestBatch(
+            [admitted.states[j].engine_state for j in changed], starts.tolist(), counts.tolist(),
+            torch.from_numpy(positions), torch.from_numpy(np.ascontiguousarray(tokens)), hidden))
+    for state, start, a, b in zip(admitted.states, rows.starts[idx].tolist(), offsets[:-1].tolist(),
+                                  offsets[1:].tolist()):
+        state.write_tokens(start, tokens[a:b])
+    return total

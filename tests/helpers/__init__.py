@@ -1,0 +1,1 @@
+"""Shared test helpers: one draft-server launcher, one port helper, one step builder, a bare wire client."""

@@ -1,0 +1,34 @@
+"""Building transport :class:`StepInput` objects and client settings for tests."""
+from __future__ import annotations
+
+import torch
+
+from k3_accel.transport.api import ClientSettings, StepInput
+
+
+def settings(address: str, **kw) -> ClientSettings:
+    base = dict(address=address, timeout_ms=20000, max_rows=4096, num_speculative_tokens=4,
+                backoff_initial_ms=20, backoff_max_ms=200)
+    base.update(kw)
+    return ClientSettings(**base)
+
+
+def step(req_ids, chunks, *, sampled=None, anchors=None, k=4, prompts=None, hidden=None) -> StepInput:
+    """A StepInput from per-request ``(start_position, [token ids])`` chunks.
+
+    ``anchors[i]`` is the anchor token of request i (its position is the end
+    of its chunk); default: the chunk's last token + 1.
+    """
+    counts = [len(toks) for _, toks in chunks]
+    positions = torch.cat([torch.arange(s, s + len(t), dtype=torch.int64) for s, t in chunks]) \
+        if chunks else torch.empty(0, dtype=torch.int64)
+    token_ids = torch.tensor([x for _, t in chunks for x in t], dtype=torch.int64)
+    sampled = sampled if sampled is not None else [True] * len(req_ids)
+    anchors = anchors if anchors is not None else [(t[-1] + 1 if t else 0) for _, t in chunks]
+    return StepInput(list(req_ids), counts, positions, token_ids, sampled, anchors,
+                     [s + len(t) for s, t in chunks], k=k, prompt_token_ids=prompts, hidden=hidden)
+
+
+def random_hidden(n: int, width: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=g).to(dtype)

@@ -1,0 +1,79 @@
+"""A bare DEALER that speaks the wire protocol: one request, one reply (server tests)."""
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import torch
+import zmq
+
+from k3_accel import protocol as p
+
+
+def meta(*cols: list[int]) -> memoryview:
+    """An int64 ``[n, len(cols)]`` meta frame from per-request columns."""
+    return np.ascontiguousarray(np.stack([np.asarray(c, dtype=np.int64) for c in cols], axis=1)
+                                if cols and len(cols[0]) else np.zeros((0, len(cols)), np.int64)).data
+
+
+def ints(values) -> memoryview:
+    return np.ascontiguousarray(np.asarray(values, dtype=np.int64)).data
+
+
+class Wire:
+    def __init__(self, address: str, timeout_ms: int = 20000, session: str | None = None,
+                 hello: bool = True, **sockopts):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        for opt, value in sockopts.items():
+            setattr(self.sock, opt, value)
+        self.sock.connect(address)
+        self.timeout_ms = timeout_ms
+        self.seq = 0
+        self.session = session or uuid.uuid4().hex
+        self.caps = p.caps_from_result(self.call(p.Hello(self.session, "wire")).raise_for_error().result) \
+            if hello else None
+
+    def send_frames(self, frames: list) -> None:
+        self.sock.send_multipart(frames)
+
+    def recv(self) -> p.Reply:
+        if not self.sock.poll(self.timeout_ms):
+            raise TimeoutError("no reply")
+        return p.decode_reply(self.sock.recv_multipart())
+
+    def call(self, msg, *frames) -> p.Reply:
+        self.seq += 1
+        self.send_frames(p.encode_request(self.seq, msg, *frames))
+        reply = self.recv()
+        assert reply.seq == self.seq
+        return reply
+
+    # ------------------------------------------------------------ shortcuts
+    def ingest(self, spans: list[tuple[int, int, list[int]]], hidden: torch.Tensor | None = None) -> p.Reply:
+        """``spans``: (handle, start, tokens) per request."""
+        return self.call(*_rows(p.Ingest, spans, hidden))
+
+    def propose(self, k: int, spans: list[tuple[int, int, list[int], int]], hidden: torch.Tensor | None = None,
+                **kw) -> p.Reply:
+        """``spans``: (handle, start, tokens, anchor) per request."""
+        return self.call(*_rows(p.Propose, spans, hidden, k=k, **kw))
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+def _rows(op, spans, hidden, **kw):
+    handles = [s[0] for s in spans]
+    starts = [s[1] for s in spans]
+    counts = [len(s[2]) for s in spans]
+    cols = [handles, starts, counts] + ([[s[3] for s in spans]] if op is p.Propose else [])
+    tokens = [t for s in spans for t in s[2]]
+    frames = [meta(*cols), ints(tokens)]
+    if hidden is not None:
+        frames.append(p.tensor_frame(hidden.contiguous()))
+        kw.update(hidden=p.dtype_name(hidden.dtype), width=int(hidden.shape[1]))
+    args = (kw.pop("k"), len(spans), len(tokens)) if op is p.Propose else (len(spans), len(tokens))
+    return (op(*args, **kw), *frames)
