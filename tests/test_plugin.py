@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import SRC
+from helpers.server import SRC
 
 pytestmark = pytest.mark.vllm
 

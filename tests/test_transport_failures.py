@@ -54,19 +54,22 @@ def test_unknown_failure_kind_is_rejected():
         FailureQueue().push("nonsense")
 
 
-def caps(**kw) -> p.ServerCaps:
+def caps(**kw) -> p.Caps:
     base = dict(engine="dflash", needs_hidden_states=True, context_width=3 * 64,
                 hidden_dtypes=["bfloat16"], supports_logits=False, supports_topk=True,
-                max_requests=8, max_spec_tokens=7, block_size=16, vocab_size=1000)
+                max_requests=8, max_spec_tokens=7, block_size=16, vocab_size=1000, hidden_size=64,
+                aux_layer_ids=[1, 4, 7])
     base.update(kw)
-    return p.ServerCaps(**base)
+    return p.Caps(**base)
 
 
-def hello_reply(c: p.ServerCaps) -> p.Reply:
-    return p.Reply(seq=1, ok=True, server_id="s", body={"caps": p.to_body(c)})
+def hello_reply(c: p.Caps) -> p.Reply:
+    import msgspec
+    return p.Reply(seq=1, ok=True, server_id="s", result=msgspec.to_builtins(c))
 
 
-NEEDS = handshake.TargetNeeds(context_width=192, hidden_dtype=torch.bfloat16, num_speculative_tokens=7)
+NEEDS = handshake.TargetNeeds(context_width=192, hidden_dtype=torch.bfloat16, num_speculative_tokens=7,
+                              vocab_size=1000, hidden_size=64, aux_layer_ids=(1, 4, 7), max_requests=8)
 
 
 def test_matching_caps_pass():
@@ -74,17 +77,34 @@ def test_matching_caps_pass():
 
 
 @pytest.mark.parametrize("server_caps, needs, words", [
-    (caps(context_width=128), NEEDS, "context width"),
+    (caps(context_width=128), NEEDS, "context width: server 128, target ships 192"),
     (caps(), handshake.TargetNeeds(0, torch.bfloat16, 7), "ships none"),
     (caps(hidden_dtypes=["float32"]), NEEDS, "dtype"),
-    (caps(max_spec_tokens=4), NEEDS, "max_spec_tokens"),
+    (caps(max_spec_tokens=4), NEEDS, "K: target asks for 7, server allows 4"),
     (caps(), handshake.TargetNeeds(192, torch.bfloat16, 7, logits="full"), "logits"),
     (caps(supports_topk=False), handshake.TargetNeeds(192, torch.bfloat16, 7, logits="topk", topk=4), "top-k"),
     (caps(protocol=p.PROTOCOL_VERSION + 1), NEEDS, "protocol"),
+    (caps(vocab_size=1024), NEEDS, "vocabulary: server drafts ids 0..1023, target vocabulary is 1000"),
+    (caps(hidden_size=32, context_width=96, aux_layer_ids=[1, 4, 7]), NEEDS, "hidden size: server 32, target 64"),
+    (caps(aux_layer_ids=[1, 4, 8]), NEEDS, r"aux layer ids: server \[1, 4, 8\], target captures \[1, 4, 7\]"),
 ])
 def test_each_mismatch_fails_closed_with_a_reason(server_caps, needs, words):
     with pytest.raises(IncompatibleServer, match=words):
         handshake.check(hello_reply(server_caps), needs)
+
+
+def test_aux_layer_mismatch_is_incompatible_at_equal_width():
+    assert caps(aux_layer_ids=[0, 4, 7]).context_width == NEEDS.context_width
+    found = handshake.problems(caps(aux_layer_ids=[0, 4, 7]), NEEDS)
+    assert found == ["aux layer ids: server [0, 4, 7], target captures [1, 4, 7]"]
+
+
+def test_fewer_server_slots_than_max_num_seqs_is_a_warning_not_a_refusal():
+    small = caps(max_requests=4)
+    assert handshake.problems(small, NEEDS) == []
+    assert handshake.warnings(small, NEEDS) == [
+        "capacity: target runs up to 8 requests (max_num_seqs), the server admits 4 per client: "
+        "the excess is not drafted"]
 
 
 def test_no_hidden_engine_ignores_width():
@@ -94,14 +114,15 @@ def test_no_hidden_engine_ignores_width():
 
 def test_wrong_protocol_version_reply_is_incompatible():
     import msgpack
-    frame = msgpack.packb({"v": p.PROTOCOL_VERSION + 1, "op": "reply", "seq": 1, "body": {}, "tensors": []})
+    frame = msgpack.packb({"v": 1, "op": "reply", "seq": 1, "body": {}, "tensors": []})
     with pytest.raises(p.ProtocolError) as err:
         p.decode_reply([frame])
-    reply = p.Reply(seq=1, ok=False, server_id="", error={"code": err.value.code.value, "message": "x"})
+    assert err.value.code is p.ErrorCode.BAD_VERSION
+    reply = p.Reply(seq=1, ok=False, server_id="", error=(err.value.code.value, "x"))
     with pytest.raises(IncompatibleServer, match="BAD_VERSION"):
         handshake.check(reply, NEEDS)
 
 
 def test_refused_hello_is_incompatible():
     with pytest.raises(IncompatibleServer, match="no valid caps"):
-        handshake.check(p.Reply(seq=1, ok=True, server_id="s", body={}), NEEDS)
+        handshake.check(p.Reply(seq=1, ok=True, server_id="s", result={}), NEEDS)

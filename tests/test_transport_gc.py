@@ -1,11 +1,10 @@
 """A client dropped without close() must not hang its process (zmq's term() at GC)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-from conftest import SRC, ServerProcess
+from helpers.server import ServerProcess, src_env
 
 SCRIPT = """
 import gc, sys, torch
@@ -23,7 +22,7 @@ def test_dropped_client_is_collected_without_hanging():
     server = ServerProcess("--engine", "ngram")
     try:
         run = subprocess.run([sys.executable, "-c", SCRIPT, server.address], capture_output=True, text=True,
-                             env={**os.environ, "PYTHONPATH": SRC}, timeout=120)
+                             env=src_env(), timeout=120)
         assert run.returncode == 0 and "collected" in run.stdout, run.stderr[-2000:]
     finally:
         assert server.stop() == 0

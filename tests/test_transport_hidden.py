@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.clients import client_factory  # noqa: F401 (fixture)
+from helpers.server import ServerProcess
 from k3_accel.testing.tiny import write_tiny_dflash, write_tiny_target
 from k3_accel.transport.api import StepInput
-from test_transport_helpers import DraftServer, client_factory  # noqa: F401 (fixture)
 
 WIDTH, K, VOCAB = 256, 7, 512          # tiny DFlash: 2 aux layers x hidden 128, block 8
 
@@ -16,7 +17,7 @@ def dflash(tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash")
     target = write_tiny_target(root / "target")
     draft = write_tiny_dflash(root / "draft", target)
-    srv = DraftServer(None, "--draft-model", str(draft), "--target-model", str(target), engine="dflash").start()
+    srv = ServerProcess("--engine", "dflash", "--draft-model", str(draft), "--target-model", str(target))
     yield srv
     srv.stop()
 
@@ -36,6 +37,7 @@ def step(req: str, start: int, stop: int, tokens, hidden, *, sampled=True, promp
 
 
 def make(client_factory, dflash, **kw):
+    kw = {"target_vocab_size": VOCAB, "hidden_size": WIDTH // 2, "aux_layer_ids": (0, 2), **kw}
     return client_factory(dflash.address, context_width=WIDTH, num_speculative_tokens=K, **kw)
 
 
@@ -103,6 +105,29 @@ def test_missing_hidden_rows_are_a_typed_error(dflash, client_factory):
 def test_context_width_mismatch_fails_closed(dflash, client_factory):
     client = client_factory(dflash.address, context_width=128, num_speculative_tokens=K)
     assert client.state.value == "incompatible"
+
+
+def test_vocab_mismatch_is_incompatible(tmp_path, client_factory):
+    """A server built on a larger-vocabulary target checkpoint refuses this target at hello."""
+    target = write_tiny_target(tmp_path / "big-target", vocab_size=2 * VOCAB)
+    draft = write_tiny_dflash(tmp_path / "draft", target)
+    srv = ServerProcess("--engine", "dflash", "--draft-model", str(draft), "--target-model", str(target))
+    try:
+        client = make(client_factory, srv)
+        assert client.state.value == "incompatible"
+        assert f"vocabulary: server drafts ids 0..{2 * VOCAB - 1}, target vocabulary is {VOCAB}" in \
+            client.stats()["incompatible"]
+        tokens, hidden = context(20)
+        assert client.step(step("a", 0, 16, tokens, hidden)).drafts.tolist() == [[-1] * K]
+    finally:
+        srv.stop()
+
+
+def test_aux_layer_mismatch_is_incompatible(dflash, client_factory):
+    """Same width, other layers: the rows would mean something else to the draft."""
+    client = make(client_factory, dflash, aux_layer_ids=(1, 2))
+    assert client.state.value == "incompatible"
+    assert "aux layer ids: server [0, 2], target captures [1, 2]" in client.stats()["incompatible"]
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ def test_ring_falls_back_to_plain_memory_without_cuda():
     ring = StagingRing(2, 8, 4)
     assert ring.pinned == torch.cuda.is_available()
     assert ring.slots[0].hidden.shape == (8, 4) and ring.slots[0].hidden.is_pinned() == ring.pinned
-    assert ring.nbytes == 2 * 8 * (16 + 4 * 2)
+    assert ring.nbytes == 2 * 8 * (8 + 4 * 2)
 
 
 def test_bad_ring_shape_is_a_typed_error():
@@ -81,31 +82,50 @@ def test_release_without_hold_is_an_error():
         ring.release(ring.slots[0])
 
 
-def test_plan_puts_ingest_rows_before_propose_rows_and_merges_runs():
-    counts = [2, 3, 0, 4, 1]
-    plan = layout.plan_rows(counts, ingest=[1, 3], propose=[0, 4])
-    assert plan.dst == {1: 0, 3: 3, 0: 7, 4: 9}
-    assert plan.ingest_rows == 7 and plan.propose_rows == 3
-    assert layout.copy_runs(plan) == [(2, 0, 7), (0, 7, 2), (9, 9, 1)]   # 1 and 3 adjoin (2 is empty)
-    contiguous = layout.plan_rows([2, 3, 4], ingest=[0, 1], propose=[2])
-    assert layout.copy_runs(contiguous) == [(0, 0, 9)]
+def plan(counts, ingest, propose):
+    counts = np.asarray(counts, dtype=np.int64)
+    anchors = np.full(len(counts), 10) + counts          # every request's rows start at 10
+    return layout.plan_rows(counts, anchors, np.asarray(ingest, dtype=np.int64), np.asarray(propose, dtype=np.int64))
 
 
-def test_stage_and_compact_keep_rows_with_their_requests():
+def test_plan_puts_ingest_rows_before_propose_rows():
+    p = plan([2, 3, 0, 4, 1], ingest=[1, 3], propose=[0, 4])
+    assert p.order.tolist() == [1, 3, 0, 4] and p.dst().tolist() == [0, 3, 7, 9]
+    assert p.ingest_rows == 7 and p.total_rows == 10 and p.starts.tolist() == [10] * 5
+    # input rows of slot rows 0..9: request 1 (2..4), 3 (5..8), 0 (0..1), 4 (9)
+    assert p.row_index().tolist() == [2, 3, 4, 5, 6, 7, 8, 0, 1, 9]
+    assert plan([2, 3, 4], ingest=[0, 1], propose=[2]).row_index() is None   # the input as it is
+
+
+def test_stage_puts_rows_with_their_requests():
     counts = [2, 3, 4]
-    positions = torch.arange(9)
     tokens = torch.arange(100, 109)
     hidden = torch.arange(18, dtype=torch.float32).reshape(9, 2)
     ring = StagingRing(1, 16, 2, torch.float32)
     slot = ring.slots[0]
-    plan = layout.plan_rows(counts, ingest=[1], propose=[0, 2], hidden=True)
-    layout.stage(slot, plan, positions, tokens, hidden)
-    layout.wait_for_copies(positions, tokens, hidden)
-    for i, src in enumerate([0, 2, 5]):
-        d, n = plan.dst[i], counts[i]
+    p = plan(counts, ingest=[1], propose=[0, 2])
+    assert layout.stage(slot, p.row_index(), p.total_rows, tokens, hidden, private=True) is None  # CPU: done
+    for i, d in zip(p.order.tolist(), p.dst().tolist()):
+        src, n = [0, 2, 5][i], counts[i]
         assert torch.equal(slot.token_ids[d:d + n], tokens[src:src + n])
         assert torch.equal(slot.hidden[d:d + n], hidden[src:src + n])
-    kept = layout.compact(slot, plan, drop={1})
-    assert kept.ingest == [] and kept.propose == [0, 2] and kept.dst == {0: 0, 2: 2}
-    assert slot.positions[:6].tolist() == [0, 1, 5, 6, 7, 8]
-    assert torch.equal(slot.hidden[:6], hidden[[0, 1, 5, 6, 7, 8]])
+
+
+def test_split_cuts_rows_into_messages_and_keeps_every_request():
+    starts, counts = np.array([0, 5, 7]), np.array([5, 0, 6])
+    parts = layout.split(starts, counts, base=3, max_rows=4)
+    assert [(pt.lo, pt.hi) for pt in parts] == [(3, 7), (7, 11), (11, 14)]
+    assert [pt.index.tolist() for pt in parts] == [[0], [0, 1, 2], [2]]
+    assert [pt.starts.tolist() for pt in parts] == [[0], [4, 5, 7], [10]]
+    assert [pt.counts.tolist() for pt in parts] == [[4], [1, 0, 3], [3]]
+    assert sum(int(pt.counts.sum()) for pt in parts) == 11
+    whole = layout.split(starts, counts, base=0, max_rows=11)
+    assert len(whole) == 1 and whole[0].counts.tolist() == [5, 0, 6]
+
+
+def test_tail_gives_every_request_its_rows_from_the_last_message():
+    starts, counts = np.array([0, 5, 7]), np.array([5, 0, 6])
+    last = layout.tail(starts, counts, base=3, lo=11)
+    assert last.index.tolist() == [0, 1, 2] and (last.lo, last.hi) == (11, 14)
+    assert last.counts.tolist() == [0, 0, 3]
+    assert (last.starts + last.counts).tolist() == (starts + counts).tolist()   # anchors follow the rows

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import SRC
+from helpers.server import SRC
 from k3_accel.vllm import post_import, proposer_v1
 
 
@@ -59,7 +59,7 @@ def test_remote_only_with_address_and_speculation(method, address, expected, mon
 def test_unsupported_method_stays_stock_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="k3_accel.vllm"):
         assert proposer_v1._wants_remote(_config("eagle3")) is False
-    assert "not 'eagle3'" in caplog.text
+    assert "method 'eagle3' is drafted locally" in caplog.text
 
 
 def test_address_from_the_environment(monkeypatch):

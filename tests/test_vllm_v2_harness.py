@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -33,7 +32,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from k3_accel.server.engines.ngram import lookup  # noqa: E402
+from helpers.oracles import ngram_lookup as lookup  # noqa: E402
+from helpers.ports import free_port  # noqa: E402
 from k3_accel.vllm import v2_inputs  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -93,12 +93,6 @@ def no_uva():
         yield
     finally:
         bu.is_uva_available = saved
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import SRC
+from helpers.server import SRC
 from test_vllm_v2_harness import Sim, tp_group, vllm_config  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.vllm

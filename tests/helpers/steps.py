@@ -32,3 +32,14 @@ def step(req_ids, chunks, *, sampled=None, anchors=None, k=4, prompts=None, hidd
 def random_hidden(n: int, width: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, width, generator=g).to(dtype)
+
+
+def wait_until(cond, timeout: float = 60.0, interval: float = 0.01) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` seconds pass (a deadline, never a speed claim)."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval)
+    return bool(cond())

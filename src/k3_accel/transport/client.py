@@ -301,7 +301,7 @@ class DraftClient:
         pending = None
         for msg, frames, ids in self._messages(inp, plan, slot, anchor_tokens):
             pending = self._post_slot(slot, msg, frames, ids)
-            self.telemetry.count("propose_messages" if isinstance(msg, p.Propose) else "ingest_messages")
+            self.telemetry.count("sync_proposals" if isinstance(msg, p.Propose) else "ingest_messages")
         return pending if plan.propose.size else None
 
     def _defer(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, event) -> None:

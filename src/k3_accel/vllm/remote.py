@@ -21,7 +21,6 @@ REMOTE_METHODS = ("dflash", "ngram")
 HIDDEN_METHODS = ("dflash",)
 # DFlash-method draft architectures that are not plain DFlash (vLLM drafts them with other code)
 _OTHER_DFLASH_ARCHS = ("DFlash2DraftModel", "DFlash2BeamDraftModel", "LiLiCorrDraftModel")
-_warned: set[str] = set()
 
 
 def plugin_config(vllm_config: Any) -> K3Config:
@@ -48,9 +47,7 @@ def remote_enabled(vllm_config: Any) -> bool:
         return False
     why = unserved_reason(spec)
     if why is not None:
-        if why not in _warned:
-            _warned.add(why)
-            log.warning("k3-accel: draft_address is ignored: %s", why)
+        log.warning("k3-accel: draft_address is ignored: %s", why)
         return False
     return True
 
