@@ -90,7 +90,7 @@ def plan(counts, ingest, propose):
 
 def test_plan_puts_ingest_rows_before_propose_rows():
     p = plan([2, 3, 0, 4, 1], ingest=[1, 3], propose=[0, 4])
-    assert p.order.tolist() == [1, 3, 0, 4] and p.dst().tolist() == [0, 3, 7, 9]
+    assert p.order.tolist() == [1, 3, 0, 4] and p.dst.tolist() == [0, 3, 7, 9]
     assert p.ingest_rows == 7 and p.total_rows == 10 and p.starts.tolist() == [10] * 5
     # input rows of slot rows 0..9: request 1 (2..4), 3 (5..8), 0 (0..1), 4 (9)
     assert p.row_index().tolist() == [2, 3, 4, 5, 6, 7, 8, 0, 1, 9]
@@ -105,7 +105,7 @@ def test_stage_puts_rows_with_their_requests():
     slot = ring.slots[0]
     p = plan(counts, ingest=[1], propose=[0, 2])
     assert layout.stage(slot, p.row_index(), p.total_rows, tokens, hidden, private=True) is None  # CPU: done
-    for i, d in zip(p.order.tolist(), p.dst().tolist()):
+    for i, d in zip(p.order.tolist(), p.dst.tolist()):
         src, n = [0, 2, 5][i], counts[i]
         assert torch.equal(slot.token_ids[d:d + n], tokens[src:src + n])
         assert torch.equal(slot.hidden[d:d + n], hidden[src:src + n])

@@ -1,4 +1,4 @@
-"""``k3-accel``: ``demo`` (remote drafting end to end) and ``probe ADDRESS``."""
+"""``k3-accel``: ``demo`` (remote drafting end to end), ``doctor ADDRESS`` and ``probe ADDRESS``."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     probe = sub.add_parser("probe", help="hello + stats to a running draft server; prints JSON")
     probe.add_argument("address", help="tcp://HOST:PORT or ipc://PATH")
     probe.add_argument("--timeout-ms", type=int, default=5000)
+    from k3_accel.doctor import add_parser
+    add_parser(sub)
     return ap
 
 
@@ -47,9 +49,14 @@ def _probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from k3_accel.doctor import run
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return _demo(args) if args.command == "demo" else _probe(args)
+    return {"demo": _demo, "probe": _probe, "doctor": _doctor}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import uuid
+
 import zmq
 
 from k3_accel import protocol as p
@@ -19,13 +21,13 @@ def probe(address: str, timeout_ms: int = 5000) -> dict[str, Any]:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(address)
-        hello = _call(sock, 1, p.Hello(client="k3-accel-probe"), timeout_ms)
+        hello = _call(sock, 1, p.Hello(uuid.uuid4().hex, "k3-accel-probe"), timeout_ms)
         stats = _call(sock, 2, p.Stats(), timeout_ms)
+        _call(sock, 3, p.Bye(), timeout_ms)
     finally:
         sock.close()
         ctx.term()
-    return {"address": address, "server_id": hello.server_id, "hello": hello.body,
-            "stats": stats.body.get("stats", {})}
+    return {"address": address, "server_id": hello.server_id, "hello": hello.result, "stats": stats.result}
 
 
 def _call(sock: zmq.Socket, seq: int, msg: Any, timeout_ms: int) -> p.Reply:
@@ -34,5 +36,5 @@ def _call(sock: zmq.Socket, seq: int, msg: Any, timeout_ms: int) -> p.Reply:
         raise ProbeError(f"no reply to {type(msg).__name__.lower()} within {timeout_ms} ms")
     reply = p.decode_reply(sock.recv_multipart())
     if not reply.ok:
-        raise ProbeError(f"{type(msg).__name__.lower()} failed: {reply.error}")
+        raise ProbeError(f"{type(msg).__name__.lower()} failed: {reply.error[0]}: {reply.error[1]}")
     return reply

@@ -108,13 +108,17 @@ class RequestBook:
         self._unsent_frees.clear()
 
     # --------------------------------------------------------------- failures
-    def apply(self) -> None:
-        """Drain the failure queue at once and disable every affected request."""
+    def apply(self) -> bool:
+        """Drain the failure queue at once and disable every affected request; True if any
+        failure was drained."""
+        if not len(self.failures):
+            return False
         for failure in self.failures.drain():
             self.telemetry.count(f"failures.{failure.kind.value}")
             if failure.kind is FailureKind.CAPTURE:
                 continue
             self._disable(failure)
+        return True
 
     def _disable(self, failure: Failure) -> None:
         if failure.all_requests:

@@ -106,19 +106,21 @@ class DraftClient:
         inp.validate(self.settings)
         if self.caps is not None and inp.k > self.caps.max_spec_tokens:
             raise StepInputError(f"k={inp.k} exceeds the server's max_spec_tokens={self.caps.max_spec_tokens}")
-        out = StepOutput.empty(inp.num_requests, inp.k)
+        drafts = np.full((inp.num_requests, inp.k), -1, dtype=np.int64)
+        out = StepOutput(torch.from_numpy(drafts))
         if self.link.state not in (State.INCOMPATIBLE, State.CLOSED, State.NEW):
-            self._guarded(inp, out)
-            self.book.apply()
-            self._mask(inp, out)
+            live = self._guarded(inp, out)
+            if self.book.apply() or live is None or not live.all():
+                self._mask(inp, drafts)
         if inp.num_accepted is not None:
             self.telemetry.count("accepted_drafts", int(sum(inp.num_accepted)))
         self.telemetry.add("step", time.perf_counter() - started)
         self.telemetry.end_step()
         return out
 
-    def _guarded(self, inp: StepInput, out: StepOutput) -> None:
-        """Run the step; transport trouble fails the step's batch closed instead of raising."""
+    def _guarded(self, inp: StepInput, out: StepOutput) -> np.ndarray | None:
+        """Run the step; transport trouble fails the step's batch closed instead of raising.
+        Returns which requests were live when the step began (None: not known)."""
         try:
             if self.sender.broken is not None:
                 exc, self.sender.broken = self.sender.broken, None
@@ -127,14 +129,14 @@ class DraftClient:
                 self.link.service()
                 self.book.apply()
             if self.link.ready:
-                self._run_step(inp, out)
-            else:
-                self._lost_rows(inp)
+                return self._run_step(inp, out)
+            self._lost_rows(inp)
         except RingTimeout as exc:
             self.book.failures.push(FailureKind.RING_TIMEOUT, _batch_ids(inp), str(exc))
         except TransportError as exc:
             self.book.failures.push(FailureKind.TRANSPORT, _batch_ids(inp), str(exc))
             self.link.lose(exc)
+        return None
 
     def _lost_rows(self, inp: StepInput) -> None:
         """Not connected: rows of this step cannot reach the server, so their requests stop drafting."""
@@ -142,37 +144,40 @@ class DraftClient:
         if ids:
             self.book.failures.push(FailureKind.NOT_CONNECTED, ids, f"connection {self.link.state.value}")
 
-    def _run_step(self, inp: StepInput, out: StepOutput) -> None:
+    def _run_step(self, inp: StepInput, out: StepOutput) -> np.ndarray:
         recs = self.book.resolve(inp.req_ids)
-        counts = np.asarray(inp.counts, dtype=np.int64)
-        live = np.fromiter((r.disabled is None for r in recs), dtype=bool, count=len(recs))
-        want = live & np.asarray(inp.sampled, dtype=bool) if inp.k > 0 else np.zeros(len(recs), bool)
+        n = len(recs)
+        counts = np.fromiter(inp.counts, dtype=np.int64, count=n)
+        live = np.fromiter((r.disabled is None for r in recs), dtype=bool, count=n)
+        want = live & np.fromiter(inp.sampled, dtype=bool, count=n) if inp.k > 0 else np.zeros(n, bool)
         ingest, propose = np.flatnonzero(live & ~want & (counts > 0)), np.flatnonzero(want)
         if ingest.size == 0 and propose.size == 0:
             self.link.service()
-            return
+            return live
         anchor_tokens, anchor_positions = self._anchors(inp)
-        plan = layout.plan_rows(counts, anchor_positions, ingest, propose)
-        plan = self._prepare(inp, recs, plan)
+        plan = self._prepare(inp, recs, layout.plan_rows(counts, anchor_positions, ingest, propose))
         deferred = plan.propose.size == 0 and self.settings.ring_depth > 0
         t0 = time.perf_counter()
         if not deferred and not self.sender.wait_idle(self.settings.timeout_s):
             raise TransportError("deferred ingests not sent within the timeout")
         slot, event = self._stage(inp, plan, deferred)
+        handles = np.empty(n, dtype=np.int64)
+        ends = (plan.starts + counts).tolist()
         for i in plan.order.tolist():
             rec = recs[i]
-            rec.length, rec.sent = int(plan.starts[i] + plan.counts[i]), True
+            rec.length, rec.sent, handles[i] = ends[i], True, rec.handle
         if deferred:
-            self._defer(inp, plan, slot, event)
+            self._defer(inp, plan, slot, event, handles)
             out.deferred = True
             self.telemetry.add("enqueue", time.perf_counter() - t0)
-            return
+            return live
         if event is not None:
             with self.telemetry.phase("d2h"):
                 event.synchronize()
-        pending = self._post_step(inp, plan, slot, anchor_tokens)
+        pending = self._post_step(inp, plan, slot, handles, anchor_tokens)
         self.telemetry.add("enqueue", time.perf_counter() - t0)
         self._finish_step(inp, out, plan, pending)
+        return live
 
     # --------------------------------------------------------------- inputs
     @staticmethod
@@ -184,7 +189,7 @@ class DraftClient:
             values = [v.to("cpu", non_blocking=True) if isinstance(v, torch.Tensor) else v for v in values]
             torch.cuda.current_stream(on_device[0].device).synchronize()
         return tuple(v.numpy().astype(np.int64, copy=False) if isinstance(v, torch.Tensor)
-                     else np.asarray(v, dtype=np.int64) for v in values)
+                     else np.fromiter(v, dtype=np.int64, count=len(v)) for v in values)
 
     def _prepare(self, inp: StepInput, recs: list[Record], plan: layout.RowPlan) -> layout.RowPlan:
         """Reconnects for requests whose rows start past their remote context (prefix-cache
@@ -211,10 +216,7 @@ class DraftClient:
             self._send_plain(p.Reconnect(rec.handle, start), [rid], FailureKind.RECONNECT, p.tensor_frame(tokens))
             self.telemetry.count("reconnects")
             rec.length, rec.sent = start, True
-        if not drop:
-            return plan
-        keep = lambda idx: idx[~np.isin(idx, drop)]  # noqa: E731
-        return layout.RowPlan(keep(plan.ingest), keep(plan.propose), plan.starts, plan.counts, plan.src)
+        return plan.without(drop) if drop else plan
 
     # -------------------------------------------------------------- staging
     def _stage(self, inp: StepInput, plan: layout.RowPlan, deferred: bool):
@@ -243,7 +245,7 @@ class DraftClient:
             self.ring.wait_change(min(left, 0.05))
 
     def _submit_capture(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, event, hidden: bool) -> None:
-        for i, d in zip(plan.order.tolist(), plan.dst().tolist()):
+        for i, d in zip(plan.order.tolist(), plan.dst.tolist()):
             n = int(plan.counts[i])
             if n == 0:
                 continue
@@ -261,52 +263,59 @@ class DraftClient:
         return max(1, (self.caps.max_message_bytes - _HEADER_ROOM) // row_bytes)
 
     def _row_message(self, slot: Slot, group: np.ndarray, part: layout.Part, inp: StepInput,
-                     anchor_tokens: np.ndarray | None = None, k: int = 0):
+                     handles: np.ndarray, anchor_tokens: np.ndarray | None = None, k: int = 0):
         """(message, frames, ids) of one part of a group."""
-        reqs = group[part.index]
-        handles = np.fromiter((self.book.records[inp.req_ids[i]].handle for i in reqs.tolist()),
-                              dtype=np.int64, count=len(reqs))
-        cols = [handles, part.starts, part.counts] + ([anchor_tokens[reqs]] if anchor_tokens is not None else [])
-        meta = np.ascontiguousarray(np.stack(cols, axis=1))
+        reqs = group[part.index] if len(part.index) != len(group) else group
+        cols = [handles[reqs], part.starts, part.counts]
+        if anchor_tokens is not None:
+            cols.append(anchor_tokens[reqs])
+        meta = np.stack(cols, axis=1)
         rows = part.hi - part.lo
-        hidden = self.ships_hidden and rows > 0
-        frames = [meta.data, p.tensor_frame(slot.token_ids[part.lo:part.hi])]
-        kw = dict(hidden=p.dtype_name(self.settings.hidden_dtype), width=self.settings.context_width) if hidden else {}
-        if hidden:
+        frames = [meta.data, slot.token_ids.numpy()[part.lo:part.hi].data]
+        ids = [inp.req_ids[i] for i in reqs.tolist()]
+        if self.ships_hidden and rows > 0:
             frames.append(p.tensor_frame(slot.hidden[part.lo:part.hi]))
-        if anchor_tokens is None:
-            msg = p.Ingest(len(reqs), rows, **kw)
+            kw = {"hidden": p.dtype_name(self.settings.hidden_dtype), "width": self.settings.context_width}
         else:
-            s = self.settings
-            msg = p.Propose(k, len(reqs), rows, logits=s.logits, topk=s.topk if s.logits == "topk" else 0, **kw)
-        return msg, frames, [inp.req_ids[i] for i in reqs.tolist()]
+            kw = {}
+        if anchor_tokens is None:
+            return p.Ingest(len(reqs), rows, **kw), frames, ids
+        s = self.settings
+        return p.Propose(k, len(reqs), rows, logits=s.logits, topk=s.topk if s.logits == "topk" else 0,
+                         **kw), frames, ids
 
-    def _messages(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, anchor_tokens: np.ndarray | None):
+    def _messages(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, handles: np.ndarray,
+                  anchor_tokens: np.ndarray | None):
         """Every message of the step in send order; the last is the propose when there is one."""
         max_rows = self._max_rows()
-        out = [self._row_message(slot, plan.ingest, part, inp)
-               for part in layout.split(plan.starts[plan.ingest], plan.counts[plan.ingest], 0, max_rows)
-               if plan.ingest.size]
+        out = []
+        if plan.ingest.size:
+            out = [self._row_message(slot, plan.ingest, part, inp, handles)
+                   for part in layout.split(plan.starts[plan.ingest], plan.counts[plan.ingest], 0, max_rows)]
         if plan.propose.size:
             starts, counts, base = plan.starts[plan.propose], plan.counts[plan.propose], plan.ingest_rows
-            parts = layout.split(starts, counts, base, max_rows)
-            out += [self._row_message(slot, plan.propose, part, inp) for part in parts[:-1]]
-            last = layout.tail(starts, counts, base, parts[-1].lo)
-            out.append(self._row_message(slot, plan.propose, last, inp, anchor_tokens, inp.k))
+            if plan.total_rows - base <= max_rows:
+                last = layout.Part(plan.propose, starts, counts, base, plan.total_rows)
+            else:
+                parts = layout.split(starts, counts, base, max_rows)
+                out += [self._row_message(slot, plan.propose, part, inp, handles) for part in parts[:-1]]
+                last = layout.tail(starts, counts, base, parts[-1].lo)
+            out.append(self._row_message(slot, plan.propose, last, inp, handles, anchor_tokens, inp.k))
         if len(out) > 1 + bool(plan.propose.size and plan.ingest.size):
             self.telemetry.count("split_messages", len(out))
         return out
 
-    def _post_step(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, anchor_tokens: np.ndarray) -> Pending | None:
+    def _post_step(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, handles: np.ndarray,
+                   anchor_tokens: np.ndarray) -> Pending | None:
         pending = None
-        for msg, frames, ids in self._messages(inp, plan, slot, anchor_tokens):
+        for msg, frames, ids in self._messages(inp, plan, slot, handles, anchor_tokens):
             pending = self._post_slot(slot, msg, frames, ids)
-            self.telemetry.count("sync_proposals" if isinstance(msg, p.Propose) else "ingest_messages")
+            self.telemetry.count("sync_proposals" if type(msg) is p.Propose else "ingest_messages")
         return pending if plan.propose.size else None
 
-    def _defer(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, event) -> None:
+    def _defer(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, event, handles: np.ndarray) -> None:
         """Hand the step's messages to the sender thread; they leave once the copy is done."""
-        messages = self._messages(inp, plan, slot, None)
+        messages = self._messages(inp, plan, slot, handles, None)
         ids = [rid for _, _, part_ids in messages for rid in part_ids]
         self.ring.hold(slot)                       # until every message holds it on its own
 
@@ -400,16 +409,17 @@ class DraftClient:
             d = d.copy()
             d[bad] = -1
             self._out_of_vocab(int(bad.sum()))
-        index = torch.from_numpy(rows)
-        out.drafts[index] = torch.from_numpy(d).to(torch.int64)
-        for name, t in reply.tensors.items():
-            if name != "drafts":
-                full = torch.zeros((inp.num_requests, *t.shape[1:]), dtype=t.dtype)
-                full[index] = t
-                if name == "logits":
-                    out.logits = full
-                else:
-                    out.extra[name] = full
+        out.drafts.numpy()[rows] = d
+        if len(reply.tensors) > 1:
+            index = torch.from_numpy(rows)
+            for name, t in reply.tensors.items():
+                if name != "drafts":
+                    full = torch.zeros((inp.num_requests, *t.shape[1:]), dtype=t.dtype)
+                    full[index] = t
+                    if name == "logits":
+                        out.logits = full
+                    else:
+                        out.extra[name] = full
 
     def _out_of_vocab(self, n: int) -> None:
         self.telemetry.count("out_of_vocab_drafts", n)
@@ -419,14 +429,15 @@ class DraftClient:
                       "requests get no drafts (counted as out_of_vocab_drafts)", self.settings.address,
                       self.settings.target_vocab_size - 1)
 
-    def _mask(self, inp: StepInput, out: StepOutput) -> None:
-        if not out.drafts.numel():
+    def _mask(self, inp: StepInput, drafts: np.ndarray) -> None:
+        """-1 for every request that is disabled (or unknown) now."""
+        if not drafts.size:
             return
         records = self.book.records
         disabled = [i for i, rid in enumerate(inp.req_ids)
                     if (r := records.get(rid)) is None or r.disabled is not None]
         if disabled:
-            out.drafts[disabled] = -1
+            drafts[disabled] = -1
 
     # ============================================================ requests
     def finish(self, req_ids: Iterable[str]) -> None:
@@ -471,7 +482,7 @@ class DraftClient:
         conn = self.link.conn
         if self.link.ready and time.monotonic() - conn.last_send > self.sender.heartbeat_s:
             conn.post(conn.encode(p.Ping(), expects_reply=False))
-            self.telemetry.count("heartbeats")
+            self.telemetry.count_async("heartbeats")
 
     # ============================================================ inspection
     def server_stats(self) -> dict[str, Any]:

@@ -42,6 +42,8 @@ log = logging.getLogger("k3_accel.transport")
 
 ReplyCallback = Callable[["Pending"], None]
 FRAME_CACHE = 32          # zero-copy frames kept for re-sending
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_LAST = int(zmq.NOBLOCK)
 
 
 def _address(view: memoryview) -> int:
@@ -216,14 +218,14 @@ class Connection:
 
         ZMQ multipart sends are atomic: if the first frame is accepted, all are.
         """
-        last = len(frames) - 1
+        last, sock, big = len(frames) - 1, self._sock, self.zero_copy_min_bytes
         try:
             for i, frame in enumerate(frames):
-                flags = zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0)
-                if isinstance(frame, memoryview) and frame.nbytes >= self.zero_copy_min_bytes:
-                    self._sock.send(self._zero_copy(frame), flags, copy=False)
+                flags = _MORE if i < last else _LAST
+                if isinstance(frame, memoryview) and frame.nbytes >= big:
+                    sock.send(self._zero_copy(frame), flags, copy=False)
                 else:
-                    self._sock.send(frame, flags, copy=True)
+                    sock.send(frame, flags, copy=True)
         except zmq.Again:
             raise TransportError(f"draft server at {self.address} is not connected "
                                  "(or its queue is full)") from None

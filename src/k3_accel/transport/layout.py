@@ -23,38 +23,30 @@ class RowPlan:
     propose: np.ndarray       # requests that want drafts
     starts: np.ndarray        # [R] position of each request's first row (anchor - count)
     counts: np.ndarray        # [R]
-    src: np.ndarray           # [R] offset of each request's rows in the step input
 
-    @property
-    def order(self) -> np.ndarray:
-        return np.concatenate((self.ingest, self.propose))
-
-    @property
-    def ingest_rows(self) -> int:
-        return int(self.counts[self.ingest].sum())
-
-    @property
-    def total_rows(self) -> int:
-        return int(self.counts[self.order].sum())
-
-    def dst(self) -> np.ndarray:
-        """Slot row offset of each request in :attr:`order`."""
+    def __post_init__(self) -> None:
+        self.order = np.concatenate((self.ingest, self.propose)) if self.ingest.size else self.propose
         c = self.counts[self.order]
-        return np.cumsum(c) - c
+        self.ends = np.cumsum(c)                      # slot row after each request in ``order``
+        self.dst = self.ends - c                      # slot row offset of each request in ``order``
+        self.total_rows = int(self.ends[-1]) if len(c) else 0
+        self.ingest_rows = int(self.ends[self.ingest.size - 1]) if self.ingest.size else 0
 
     def row_index(self) -> np.ndarray | None:
         """Input row of every slot row (None: the slot takes the input rows as they are)."""
-        order = self.order
-        c = self.counts[order]
-        total = int(c.sum())
-        shift = np.repeat(self.src[order] - (np.cumsum(c) - c), c)
-        if not shift.any() and total == int(self.counts.sum()):
-            return None
-        return shift + np.arange(total)
+        if self.total_rows == int(self.counts.sum()) and bool((np.diff(self.order) > 0).all()):
+            return None                                   # every row, in input order
+        src = np.cumsum(self.counts) - self.counts
+        c = self.counts[self.order]
+        return np.repeat(src[self.order] - self.dst, c) + np.arange(self.total_rows)
+
+    def without(self, drop: list[int]) -> "RowPlan":
+        keep = lambda idx: idx[~np.isin(idx, drop)]  # noqa: E731
+        return RowPlan(keep(self.ingest), keep(self.propose), self.starts, self.counts)
 
 
 def plan_rows(counts: np.ndarray, anchor_positions: np.ndarray, ingest: np.ndarray, propose: np.ndarray) -> RowPlan:
-    return RowPlan(ingest, propose, anchor_positions - counts, counts, np.cumsum(counts) - counts)
+    return RowPlan(ingest, propose, anchor_positions - counts, counts)
 
 
 _STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}

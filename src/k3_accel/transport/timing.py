@@ -32,7 +32,10 @@ class PhaseStat:
 
 
 class Telemetry:
-    """Phase timers and counters of one client; safe to update from any thread.
+    """Phase timers and counters of one client.
+
+    :meth:`add` and :meth:`count` are for the step thread only (no lock: they
+    are on the hot path); other threads use :meth:`count_async`.
 
     Phases: ``stage`` (issuing the device->slot copies), ``d2h`` (waiting for
     them), ``enqueue`` (preludes, encode, hand frames to ZMQ), ``wait``
@@ -51,15 +54,15 @@ class Telemetry:
         self._window: dict[str, PhaseStat] = {}
         self._total: dict[str, PhaseStat] = {}
         self.counters: Counter[str] = Counter()
+        self._async: Counter[str] = Counter()
         self.steps = 0
 
     def add(self, phase: str, seconds: float) -> None:
-        with self._lock:
-            for stats in (self._window, self._total):
-                stat = stats.get(phase)
-                if stat is None:
-                    stat = stats[phase] = PhaseStat()
-                stat.add(seconds)
+        for stats in (self._window, self._total):
+            stat = stats.get(phase)
+            if stat is None:
+                stat = stats[phase] = PhaseStat()
+            stat.add(seconds)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -70,8 +73,12 @@ class Telemetry:
             self.add(name, time.perf_counter() - started)
 
     def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def count_async(self, name: str, n: int = 1) -> None:
+        """:meth:`count` from a thread other than the step thread."""
         with self._lock:
-            self.counters[name] += n
+            self._async[name] += n
 
     def add_server_timing(self, timing: Any) -> None:
         """Record a reply's ``timing`` map (seconds per server phase), if any."""
@@ -83,17 +90,17 @@ class Telemetry:
 
     def end_step(self) -> None:
         """Count a step; every ``log_interval`` steps log the window's means and reset it."""
-        with self._lock:
-            self.steps += 1
-            due = self.log_interval > 0 and self.steps % self.log_interval == 0
-            window = self._window if due else None
-            if due:
-                self._window = {}
+        self.steps += 1
+        due = self.log_interval > 0 and self.steps % self.log_interval == 0
+        window = self._window if due else None
+        if due:
+            self._window = {}
         if window:
             parts = " ".join(f"{k}={v.total / v.count * 1e3:.3f}ms" for k, v in sorted(window.items()) if v.count)
             log.info("k3 draft transport timing over %d steps: %s", self.log_interval, parts)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"steps": self.steps, "counters": dict(self.counters),
-                    "phases": {k: v.as_ms() for k, v in sorted(self._total.items())}}
+            counters = self.counters + self._async
+        return {"steps": self.steps, "counters": dict(counters),
+                "phases": {k: v.as_ms() for k, v in sorted(self._total.items())}}

@@ -1,0 +1,202 @@
+"""``k3-accel doctor``: would vLLM draft with this server? Checked the way vLLM's client checks it.
+
+Given the draft server's address and the target exactly as vLLM would be
+started (model directory, ``--speculative-config``, ``--max-num-seqs``,
+``--max-num-batched-tokens``), it reads the target's facts from the
+checkpoints (no vLLM needed), says hello with the real client, applies every
+compatibility rule (:mod:`k3_accel.transport.handshake`), times a few
+propose round trips with rows shaped like the target's, and prints a verdict
+a person can act on. Exit 0 only when vLLM would draft.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from k3_accel.transport import handshake
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+           "half": torch.float16, "float": torch.float32}
+
+
+class DoctorError(ValueError):
+    """The target description itself is unusable (a missing file, bad JSON)."""
+
+
+@dataclass
+class Report:
+    lines: list[tuple[str, str]] = field(default_factory=list)    # (mark, text)
+    ok: bool = True
+
+    def good(self, text: str) -> None:
+        self.lines.append(("ok", text))
+
+    def note(self, text: str) -> None:
+        self.lines.append(("note", text))
+
+    def bad(self, text: str) -> None:
+        self.lines.append(("FAIL", text))
+        self.ok = False
+
+    def render(self, verdict: str) -> str:
+        width = max(len(m) for m, _ in self.lines) if self.lines else 4
+        body = "\n".join(f"  [{m:>{width}}] {t}" for m, t in self.lines)
+        return f"{body}\n\n{verdict}"
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DoctorError(f"{what}: {path} not found") from None
+    except ValueError as exc:
+        raise DoctorError(f"{what}: {path} is not JSON ({exc})") from None
+
+
+def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[handshake.TargetNeeds, Any]:
+    """The target's side of the checks, from its checkpoint and speculative config."""
+    cfg = _read_json(Path(model) / "config.json", "target model")
+    text = cfg.get("text_config", cfg)
+    method = spec.get("method")
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(method, str) or not isinstance(k, int) or k < 1:
+        raise DoctorError("--speculative-config needs \"method\" and \"num_speculative_tokens\" >= 1")
+    archs: list[str] = []
+    layers: tuple[int, ...] = ()
+    if spec.get("model"):
+        draft = _read_json(Path(spec["model"]) / "config.json", "draft model (speculative_config.model)")
+        archs = draft.get("architectures") or []
+        ids = (draft.get("dflash_config") or {}).get("target_layer_ids") or draft.get("target_layer_ids") or []
+        layers = tuple(int(i) for i in ids)
+    hidden = int(text.get("hidden_size", 0))
+    dtype = _DTYPES.get(str(text.get("torch_dtype") or text.get("dtype") or "bfloat16"), torch.bfloat16)
+    ships = method == "dflash"
+    needs = handshake.TargetNeeds(context_width=len(layers) * hidden if ships else 0, hidden_dtype=dtype,
+                                  num_speculative_tokens=k, vocab_size=int(text.get("vocab_size", 0)),
+                                  hidden_size=hidden if ships else 0, aux_layer_ids=layers if ships else (),
+                                  max_requests=max_num_seqs)
+    spec_ns = SimpleNamespace(method=method, draft_model_config=SimpleNamespace(architectures=archs))
+    return needs, spec_ns
+
+
+def diagnose(address: str, needs: handshake.TargetNeeds, spec: Any, *, max_batched_tokens: int,
+             curve_server_key: str | None = None, curve_client_key: str | None = None,
+             timeout_ms: int = 10000, round_trips: int = 20) -> Report:
+    from k3_accel.transport.api import ClientSettings
+    from k3_accel.transport.client import DraftClient
+    from k3_accel.vllm.remote import unserved_reason
+
+    report = Report()
+    why = unserved_reason(spec)
+    if why is not None:
+        report.bad(f"speculative method: {why}; set method to dflash or ngram")
+        return report
+    settings = ClientSettings(address=address, timeout_ms=timeout_ms, max_rows=max(max_batched_tokens, 64),
+                              context_width=needs.context_width, hidden_dtype=needs.hidden_dtype,
+                              num_speculative_tokens=needs.num_speculative_tokens,
+                              target_vocab_size=needs.vocab_size, hidden_size=needs.hidden_size,
+                              aux_layer_ids=needs.aux_layer_ids, max_requests=needs.max_requests,
+                              curve_server_key=curve_server_key, curve_client_key=curve_client_key,
+                              client_name="k3-accel-doctor")
+    client = DraftClient(settings).start()
+    try:
+        _check(client, needs, max_batched_tokens, report)
+        if report.ok:
+            _time(client, needs, round_trips, report)
+    finally:
+        client.close()
+    return report
+
+
+def _check(client, needs: handshake.TargetNeeds, max_batched_tokens: int, report: Report) -> None:
+    state = client.state.value
+    if state != "ready" and client.link.problem is None:
+        report.bad(f"no answer from {client.settings.address} ({state}): is k3-draft-server running there, "
+                   f"reachable from this host, and (for CURVE) are the keys right?")
+        return
+    if client.link.problem is not None:
+        for problem in client.link.problem.split("; "):
+            report.bad(problem)
+        return
+    caps = client.caps
+    report.good(f"hello: engine {caps.engine}, protocol {caps.protocol}, server {client.link.conn.server_id}")
+    report.good(f"vocabulary {needs.vocab_size or '?'}, K {needs.num_speculative_tokens} <= {caps.max_spec_tokens}"
+                + (f", aux layers {list(needs.aux_layer_ids)} x hidden {needs.hidden_size}"
+                   if caps.needs_hidden_states else ""))
+    for warning in handshake.warnings(caps, needs):
+        report.note(warning + " (raise the server's --max-requests)")
+    row_bytes = 8 + needs.context_width * needs.hidden_dtype.itemsize
+    largest = max_batched_tokens * row_bytes
+    if largest > caps.max_message_bytes:
+        parts = -(-largest // caps.max_message_bytes)
+        report.note(f"message limit: a full step ({largest / 2**20:.0f} MiB) goes out as ~{parts} messages of "
+                    f"<= {caps.max_message_bytes / 2**20:.0f} MiB (works; raise --max-message-mb to send fewer)")
+    else:
+        report.good(f"message limit {caps.max_message_bytes / 2**20:.0f} MiB holds a full step "
+                    f"({largest / 2**20:.1f} MiB)")
+
+
+def _time(client, needs: handshake.TargetNeeds, n: int, report: Report) -> None:
+    from k3_accel.transport.api import StepInput
+    width, vocab = needs.context_width, max(needs.vocab_size, 2)
+    gen = torch.Generator().manual_seed(0)
+    times, drafted = [], 0
+    for i in range(n + 1):
+        rows = 16 if i == 0 else 1
+        start = 0 if i == 0 else 15 + i
+        tokens = torch.randint(0, vocab, (rows,), generator=gen)
+        hidden = torch.randn(rows, width, generator=gen).to(needs.hidden_dtype) if width else None
+        inp = StepInput(["doctor"], [rows], torch.arange(start, start + rows), tokens, [True],
+                        [int(tokens[-1])], [start + rows], k=needs.num_speculative_tokens, hidden=hidden)
+        t0 = time.perf_counter()
+        out = client.step(inp)
+        if i:
+            times.append(time.perf_counter() - t0)
+            drafted += int((out.drafts >= 0).sum())
+    if client.is_disabled("doctor"):
+        report.bad(f"the server refused a step: {client.book.records['doctor'].disabled}")
+        return
+    report.good(f"propose round trip over {n} steps: median {statistics.median(times) * 1e3:.2f} ms, "
+                f"max {max(times) * 1e3:.2f} ms ({drafted} draft tokens; random rows, so few are useful)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        spec = json.loads(args.speculative_config)
+        if not isinstance(spec, dict):
+            raise DoctorError("--speculative-config: expected a JSON object")
+        needs, spec_ns = target_needs(args.model, spec, args.max_num_seqs)
+    except (DoctorError, ValueError) as exc:
+        print(f"k3-accel doctor: {exc}")
+        return 2
+    report = diagnose(args.address, needs, spec_ns, max_batched_tokens=args.max_num_batched_tokens,
+                      curve_server_key=args.curve_server_key, curve_client_key=args.curve_client_key,
+                      timeout_ms=args.timeout_ms)
+    verdict = ("VERDICT: vLLM would draft with this server." if report.ok else
+               "VERDICT: vLLM would NOT draft with this server (it would run as stock vLLM, outputs "
+               "unchanged). Fix the FAIL lines above.")
+    print(f"k3-accel doctor: {args.address}\n{report.render(verdict)}")
+    return 0 if report.ok else 1
+
+
+def add_parser(sub) -> None:
+    doc = sub.add_parser("doctor", help="check that a draft server fits a target, as vLLM would",
+                         description=__doc__.splitlines()[0])
+    doc.add_argument("address", help="the draft server: tcp://HOST:PORT or ipc://PATH")
+    doc.add_argument("--model", required=True, metavar="DIR", help="the target model directory (as for vllm serve)")
+    doc.add_argument("--speculative-config", required=True, metavar="JSON",
+                     help='as for vLLM, e.g. \'{"method": "dflash", "model": "/models/draft", '
+                          '"num_speculative_tokens": 7}\'')
+    doc.add_argument("--max-num-seqs", type=int, default=1024, help="as for vLLM (default: 1024)")
+    doc.add_argument("--max-num-batched-tokens", type=int, default=8192, help="as for vLLM (default: 8192)")
+    doc.add_argument("--curve-server-key", metavar="FILE", help="server public key (zmq.auth format)")
+    doc.add_argument("--curve-client-key", metavar="FILE", help="this client's certificate with its secret key")
+    doc.add_argument("--timeout-ms", type=int, default=10000)

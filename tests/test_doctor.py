@@ -1,0 +1,87 @@
+"""``k3-accel doctor`` against real draft servers: the verdict and the exit status a person acts on."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers.server import ServerProcess, src_env
+from k3_accel.testing.tiny import write_tiny_dflash, write_tiny_target
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("doctor")
+    target = write_tiny_target(root / "target")
+    return target, write_tiny_dflash(root / "draft", target)
+
+
+@pytest.fixture(scope="module")
+def ngram():
+    srv = ServerProcess("--engine", "ngram", "--max-requests", "64")
+    yield srv
+    srv.stop()
+
+
+def doctor(address: str, target, spec: dict, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "k3_accel.cli", "doctor", address, "--model", str(target),
+           "--speculative-config", json.dumps(spec), "--timeout-ms", "5000", *extra]
+    return subprocess.run(cmd, env=src_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_a_fitting_server_gets_a_yes_and_exit_0(ngram, checkpoints):
+    target, _ = checkpoints
+    run = doctor(ngram.address, target, {"method": "ngram", "num_speculative_tokens": 4}, "--max-num-seqs", "16")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "VERDICT: vLLM would draft with this server." in run.stdout
+    assert "propose round trip over 20 steps" in run.stdout and "FAIL" not in run.stdout
+
+
+def test_capacity_below_max_num_seqs_is_a_note_not_a_failure(ngram, checkpoints):
+    target, draft = checkpoints
+    run = doctor(ngram.address, target, {"method": "dflash", "model": str(draft), "num_speculative_tokens": 4},
+                 "--max-num-seqs", "1024")
+    assert run.returncode == 0, run.stdout
+    assert "capacity: target runs up to 1024 requests (max_num_seqs), the server admits 64 per client" in run.stdout
+
+
+def test_k_beyond_the_server_is_a_failure_naming_both_values(ngram, checkpoints):
+    target, _ = checkpoints
+    run = doctor(ngram.address, target, {"method": "ngram", "num_speculative_tokens": 40})
+    assert run.returncode == 1
+    assert "K: target asks for 40, server allows 16" in run.stdout and "would NOT draft" in run.stdout
+
+
+def test_a_method_drafted_locally_is_reported(ngram, checkpoints):
+    target, draft = checkpoints
+    run = doctor(ngram.address, target, {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+    assert run.returncode == 1 and "method 'eagle3' is drafted locally" in run.stdout
+
+
+def test_nobody_listening_is_a_failure_with_advice(checkpoints):
+    from helpers.ports import free_port
+    target, _ = checkpoints
+    run = doctor(f"tcp://127.0.0.1:{free_port()}", target, {"method": "ngram", "num_speculative_tokens": 4})
+    assert run.returncode == 1 and "no answer from" in run.stdout and "is k3-draft-server running" in run.stdout
+
+
+def test_a_bad_target_description_exits_2(ngram, tmp_path):
+    run = doctor(ngram.address, tmp_path, {"method": "ngram", "num_speculative_tokens": 4})
+    assert run.returncode == 2 and "config.json not found" in run.stdout
+    run = doctor(ngram.address, tmp_path, {"method": "ngram"})
+    assert run.returncode == 2
+
+
+def test_doctor_leaves_nothing_behind_on_the_server(ngram, checkpoints):
+    from helpers.wire import Wire
+    target, _ = checkpoints
+    assert doctor(ngram.address, target, {"method": "ngram", "num_speculative_tokens": 4}).returncode == 0
+    wire = Wire(ngram.address)
+    try:
+        stats = wire.call(__import__("k3_accel.protocol", fromlist=["Stats"]).Stats()).result
+        assert stats["active"] == 0 and stats["retained"] == 0
+        assert [name for name in stats["sessions"] if name.startswith("k3-accel-doctor")] == []
+    finally:
+        wire.close()
