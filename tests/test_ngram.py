@@ -82,3 +82,17 @@ def test_indexed_engine_equals_reference_after_appends_rewind_and_fork(tokens, a
     engine.release(state)
     engine.release(fork)
     assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.sampled_from([0, 1, 2, (1 << 21) - 1, 1 << 21, 10 ** 9]), min_size=1, max_size=30),
+       anchor=st.sampled_from([0, 1, 1 << 21, 10 ** 9]), k=st.integers(1, 5), split=st.integers(0, 30))
+def test_large_token_ids_match_exactly(tokens, anchor, k, split):
+    """Ids past the packed-key range (2**21) switch a request to exact tuple keys."""
+    engine = NgramEngine(block_size=4, budget_bytes=1 << 20)
+    state = engine.new_state()
+    split = min(split, len(tokens))
+    ingest(engine, state, 0, tokens[:split])
+    ingest(engine, state, split, tokens[split:])
+    want = lookup([*tokens, anchor], k)
+    assert propose(engine, [state], [anchor], k)[0].tolist() == want + [-1] * (k - len(want))

@@ -19,7 +19,7 @@ from helpers.relay import Relay, digest
 from helpers.steps import step as rows, wait_until
 from k3_accel.transport.staging import StagingRing
 
-ROWS = 1 << 20          # 1 Mi rows: 8 MiB of token ids per step
+ROWS = 1 << 18          # 256 Ki rows: 2 MiB of token ids per step (far beyond the socket buffers)
 
 
 def chunk(step: int) -> tuple[torch.Tensor, torch.Tensor]:

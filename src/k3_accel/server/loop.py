@@ -92,6 +92,8 @@ class ServerLoop:
         conn = self._conns.get(ident)
         if conn is None:
             conn = self._conns[ident] = _Conn(ident, owner=frames[1].get("User-Id") if self.curve else None)
+        elif conn.session is not None:
+            conn.session.last_seen = time.monotonic()     # the lease counts arrivals, not handling
         try:
             conn.queue.append(p.decode_request(frames[1:], self.max_message_bytes))
         except ProtocolError as exc:

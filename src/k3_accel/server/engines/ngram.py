@@ -5,8 +5,10 @@ What vLLM's ``ngram`` method does, served remotely: the longest n-gram
 occurred earlier wins; the tokens that followed its *earliest* occurrence are
 the draft (vLLM's tie rule). Needs no weights and no hidden states.
 
-Each request keeps an index ``gram -> start of its earliest occurrence`` per
-n, updated as rows arrive, so a proposal costs O(max_n), not O(history).
+Each request keeps, per n, an index ``gram -> start of its earliest
+occurrence``, built with numpy as rows arrive (a gram of token ids below
+2**21 packs into one int64 key; a request that ever holds a larger id keys
+its grams by tuples instead), so a proposal costs O(max_n), not O(history).
 The block pool only accounts for memory here (blocks hold no tensors).
 """
 from __future__ import annotations
@@ -20,44 +22,101 @@ from k3_accel.server.engines.base import DraftEngine, EngineCaps, IngestBatch, P
 from k3_accel.server.engines.pool import BlockPool, BlockTable
 
 DEFAULT_BUDGET_BYTES = 1 << 30
+_BITS = 21                       # bits per token id in a packed gram key
+_PACKABLE = 1 << _BITS
+
+
+def _packed(tokens: np.ndarray, n: int) -> np.ndarray:
+    """int64 key of every n-gram of ``tokens`` (ids < 2**21), in order."""
+    m = len(tokens) - n + 1
+    key = tokens[:m].copy()
+    for j in range(1, n):
+        key = (key << _BITS) | tokens[j:j + m]
+    return key
 
 
 @dataclass(eq=False)
 class NgramState:
     max_n: int
     table: BlockTable = field(default_factory=BlockTable)
-    tokens: list[int] = field(default_factory=list)
-    first: list[dict] = field(default_factory=list)   # first[n-1][gram] = start of earliest occurrence
+    tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    length: int = 0
+    first: list[dict] = field(default_factory=list)   # first[n-1][key] = start of earliest occurrence
+    packed: bool = True
 
     def __post_init__(self) -> None:
         self.first = [{} for _ in range(self.max_n)]
 
-    def extend(self, new: list[int]) -> None:
-        toks, first = self.tokens, self.first
-        for t in new:
-            toks.append(t)
-            end = len(toks)
-            for n in range(1, min(self.max_n, end) + 1):
-                first[n - 1].setdefault(tuple(toks[end - n:]), end - n)
+    @property
+    def history(self) -> np.ndarray:
+        return self.tokens[:self.length]
+
+    def extend(self, new: np.ndarray) -> None:
+        start, end = self.length, self.length + len(new)
+        if end > len(self.tokens):
+            grown = np.empty(max(end, 2 * len(self.tokens), 64), dtype=np.int64)
+            grown[:start] = self.tokens[:start]
+            self.tokens = grown
+        self.tokens[start:end] = new
+        self.length = end
+        if self.packed and len(new) and (int(new.max()) >= _PACKABLE or int(new.min()) < 0):
+            self.packed = False
+            self._index(0, end)                      # re-key everything as tuples
+        else:
+            self._index(start, end)
+
+    def _index(self, start: int, end: int) -> None:
+        """Add the grams that end at positions start..end-1."""
+        if start == 0:
+            self.first = [{} for _ in range(self.max_n)]
+        for n in range(1, self.max_n + 1):
+            lo = max(start - n + 1, 0)
+            span = self.tokens[lo:end]
+            if len(span) < n:
+                continue
+            if self.packed:
+                keys = _packed(span, n)
+                uniq, idx = np.unique(keys, return_index=True)
+                new = dict(zip(uniq.tolist(), (idx + lo).tolist()))
+            else:
+                seq = span.tolist()
+                new = {}
+                for i in range(len(seq) - n + 1):
+                    new.setdefault(tuple(seq[i:i + n]), lo + i)
+            old = self.first[n - 1]
+            if len(old) < len(new):                  # earlier occurrences (old) win
+                new.update(old)
+                self.first[n - 1] = new
+            else:
+                for key, at in new.items():
+                    old.setdefault(key, at)
 
     def rewind(self, length: int) -> None:
-        if length == len(self.tokens):
-            return
-        tokens = self.tokens[:length]
-        self.tokens, self.first = [], [{} for _ in range(self.max_n)]
-        self.extend(tokens)
+        if length < self.length:
+            self.length = length
+            self._index(0, length)
 
-    def propose(self, anchor: int, k: int, min_n: int) -> list[int]:
-        toks, length = self.tokens, len(self.tokens)
+    def key(self, anchor: int, n: int):
+        tail = self.tokens[self.length - n + 1:self.length] if n > 1 else ()
+        if self.packed and 0 <= anchor < _PACKABLE:
+            k = 0
+            for t in tail:
+                k = (k << _BITS) | int(t)
+            return (k << _BITS) | anchor
+        return (*(int(t) for t in tail), anchor) if not self.packed else None
+
+    def propose(self, anchor: int, k: int, min_n: int) -> np.ndarray | None:
+        length = self.length
         for n in range(min(self.max_n, length), min_n - 1, -1):
-            start = self.first[n - 1].get((*toks[length - n + 1:], anchor) if n > 1 else (anchor,))
+            key = self.key(anchor, n)
+            start = self.first[n - 1].get(key) if key is not None else None
             if start is not None:
                 begin = start + n
-                out = toks[begin:begin + k]
+                out = self.tokens[begin:min(begin + k, length)]
                 if len(out) < k and begin + len(out) == length:
-                    out = out + [anchor]          # the continuation may run into the anchor
+                    out = np.append(out, anchor)     # the continuation may run into the anchor
                 return out[:k]
-        return []
+        return None
 
 
 class NgramEngine(DraftEngine):
@@ -84,7 +143,7 @@ class NgramEngine(DraftEngine):
         return state.table.length
 
     def ingest(self, batch: IngestBatch) -> None:
-        tokens = batch.token_ids.tolist()
+        tokens = batch.token_ids.numpy()
         at = 0
         for state, start, count in zip(batch.states, batch.starts, batch.counts):
             self.pool.extend(state.table, start, count)
@@ -105,6 +164,6 @@ class NgramEngine(DraftEngine):
         out = np.full((len(batch.states), k), -1, dtype=np.int64)
         for i, (state, anchor) in enumerate(zip(batch.states, batch.anchors.tolist())):
             found = state.propose(anchor, k, min_n)
-            if found:
+            if found is not None and len(found):
                 out[i, :len(found)] = found
         return Proposal(tokens=torch.from_numpy(out))
