@@ -132,6 +132,8 @@ def block_logits(fw: FusedWeights, ops: Any, kv: torch.Tensor, batch: BlockBatch
         qkv = F.linear(x, lw.qkv, lw.qkv_bias)
         q, k = ops.qk_norm_rope(qkv, lw.q_norm, lw.k_norm, fw.cos_sin, positions, cfg)
         v = qkv[:, q_size + kv_size:]
+        if cfg.v_scale is not None:
+            v = v * cfg.v_scale
         attn = ops.attention(q, k, v, kv[0, li], kv[1, li], batch.ctx_lens, batch.tables, t, cfg,
                              splits)
         x = F.linear(attn, lw.o, lw.o_bias)
