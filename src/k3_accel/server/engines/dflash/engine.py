@@ -25,6 +25,7 @@ from ..base import (DraftEngine, EngineCaps, EngineError, EngineFault, IngestBat
                     Proposal)
 from ..pool import BlockTable, PoolExhausted
 from . import ops_torch
+from .host_tables import HostTables
 from .kv_cache import KVCache, blocks_in_budget, bytes_per_row, cuda_budget
 from .model import BlockBatch, block_logits, context_projection, fuse, greedy, rope_table, target_logits
 from .weights import DFlashWeights, load_dflash
@@ -113,6 +114,7 @@ class DFlashEngine(DraftEngine):
         self.cache = KVCache(cfg, blocks_in_budget(budget_bytes, block_size, self._row_bytes),
                              block_size, self.dtype, self.device)
         self.pool = self.cache.pool
+        self.host_tables = HostTables()
         self._splits = self._split_rule()
         self._stats: dict[str, float] = {"propose_seconds": 0.0, "propose_batch": 0,
                                          "ingest_seconds": 0.0, "ingest_rows": 0}
@@ -136,11 +138,12 @@ class DFlashEngine(DraftEngine):
     def _split_rule(self):
         """Context splits of the Triton attention for ``R`` requests: enough programs
         (requests x kv heads x splits) to fill the device twice over."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.ops is ops_torch:
             return lambda r: 1
+        from .triton_attention import MAX_SPLITS
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         nkv = self.config.num_kv_heads
-        return lambda r: max(1, min(64, (2 * sms) // max(1, r * nkv)))
+        return lambda r: max(1, min(MAX_SPLITS, (2 * sms) // max(1, r * nkv)))
 
     def _on_device(self) -> contextlib.AbstractContextManager:
         if self.stream is None:
@@ -168,9 +171,11 @@ class DFlashEngine(DraftEngine):
     def fork(self, state: BlockTable, length: int) -> BlockTable:
         try:
             with self._on_device():
-                return self.pool.fork(state, length, self.cache.copy_block)
+                new = self.pool.fork(state, length, self.cache.copy_block)
         except PoolExhausted as exc:
             raise EngineError(EngineFault.CAPACITY, f"cannot fork {length} rows: {exc}") from exc
+        self.host_tables.update(new)
+        return new
 
     def release(self, state: BlockTable) -> None:
         self.pool.release(state)
@@ -202,6 +207,7 @@ class DFlashEngine(DraftEngine):
             slots = []
             for state, first, n in items:
                 self.pool.extend(state, first, n, self.cache.copy_block)
+                self.host_tables.update(state, first // self.pool.block_rows)
                 if n:
                     slots.append(self.cache.slots(state.blocks, first, n))
             if rows:
@@ -242,7 +248,7 @@ class DFlashEngine(DraftEngine):
         buf[rows:rows + n] = [s.length for s in states]
         tables = buf[2 * rows:].reshape(rows, width)
         for i, s in enumerate(states):
-            tables[i, :len(s.blocks)] = s.blocks
+            tables[i, :len(s.blocks)] = self.host_tables.get(s)
         return torch.from_numpy(buf)
 
     @staticmethod

@@ -140,18 +140,19 @@ def _store_context_kernel(proj_ptr, kw_ptr, cs_ptr, pos_ptr, slot_ptr, kv_ptr, p
                           HD: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
                           HAS_VSCALE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    layer = tl.program_id(1)
+    layer = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     slot = tl.load(slot_ptr + row).to(tl.int64)
+    stride = layer_stride.to(tl.int64)
     src = proj_ptr + row * proj_stride + layer * (2 * NKV * HD) + head * HD
-    k_dst = kv_ptr + layer * layer_stride + slot * (NKV * HD) + head * HD
+    k_dst = kv_ptr + layer * stride + slot * (NKV * HD) + head * HD
     _norm_rope_head(src, k_dst, kw_ptr + layer * HD, cs_ptr, pos, eps, HD, ROT, NEOX)
     d = tl.arange(0, HD)
     v = tl.load(src + NKV * HD + d)
     if HAS_VSCALE:
         v = (v.to(tl.float32) * v_scale).to(v.dtype)
-    tl.store(k_dst + L * layer_stride + d, v)       # kv[1] follows kv[0]
+    tl.store(k_dst + L * stride + d, v)             # kv[1] follows kv[0]
 
 
 def store_context(kv_proj: torch.Tensor, k_norms: torch.Tensor, cos_sin: torch.Tensor,

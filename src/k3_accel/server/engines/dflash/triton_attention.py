@@ -20,6 +20,7 @@ import triton.language as tl
 from .config import DFlashConfig
 
 _LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
 
 
 @triton.jit
@@ -37,9 +38,9 @@ def _online_update(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION: tl.constex
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, kb_ptr, vb_ptr, kp_ptr, vp_ptr, ctx_ptr, tbl_ptr, out_ptr, part_ptr, lse_ptr,
-        q_stride, kb_stride, tbl_stride, T, n_rows, scale,
+        q_stride, kb_stride, vb_stride, tbl_stride, T, n_rows, scale, splits,
         NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLITS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr,
         CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
@@ -56,7 +57,7 @@ def _paged_attention_kernel(
 
     ctx = tl.load(ctx_ptr + b)
     pages = tl.cdiv(ctx, BS)
-    per_split = tl.cdiv(pages, SPLITS)
+    per_split = tl.cdiv(pages, splits)
     lo = split * per_split * BS
     hi = tl.minimum((split + 1) * per_split * BS, ctx)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -72,36 +73,37 @@ def _paged_attention_kernel(
         v = tl.load(vp_ptr + off, mask=j_ok[:, None], other=0.0)
         m_i, l_i, acc = _online_update(q, k, v, j_ok[None, :], m_i, l_i, acc, scale, PRECISION)
 
-    if split == SPLITS - 1:                       # the block's own keys
+    if split == splits - 1:                       # the block's own keys
         jb = tl.arange(0, BLOCK_T)
         jb_ok = jb < T
-        off = (b * T + jb)[:, None] * kb_stride + kh * HD + d[None, :]
-        k = tl.load(kb_ptr + off, mask=jb_ok[:, None], other=0.0)
-        v = tl.load(vb_ptr + off, mask=jb_ok[:, None], other=0.0)
+        cols = kh * HD + d[None, :]
+        k = tl.load(kb_ptr + (b * T + jb)[:, None] * kb_stride + cols, mask=jb_ok[:, None], other=0.0)
+        v = tl.load(vb_ptr + (b * T + jb)[:, None] * vb_stride + cols, mask=jb_ok[:, None], other=0.0)
         allowed = jb_ok[None, :]
         if CAUSAL:
             allowed = allowed & (jb[None, :] <= t[:, None])
         m_i, l_i, acc = _online_update(q, k, v, allowed, m_i, l_i, acc, scale, PRECISION)
 
     out_off = q_rows[:, None] * (NH * HD) + head[:, None] * HD + d[None, :]
-    if SPLITS == 1:
+    if ONE_SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         has = l_i > 0
         out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(part_ptr + split * n_rows * NH * HD + out_off, out, mask=row_ok[:, None])
-        tl.store(lse_ptr + split * n_rows * NH + q_rows * NH + head, lse, mask=row_ok)
+        base = split.to(tl.int64) * n_rows * NH
+        tl.store(part_ptr + base * HD + out_off, out, mask=row_ok[:, None])
+        tl.store(lse_ptr + base + q_rows * NH + head, lse, mask=row_ok)
 
 
 @triton.jit
-def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_rows, NH: tl.constexpr, HD: tl.constexpr,
-                    SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_rows, splits, NH: tl.constexpr,
+                    HD: tl.constexpr, SPLITS_P2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_P2)
-    s_ok = s < SPLITS
+    s = tl.arange(0, SPLITS_P2).to(tl.int64)
+    s_ok = s < splits
     lse = tl.load(lse_ptr + s * n_rows * NH + row * NH + head, mask=s_ok, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, axis=0))
     w = tl.where(s_ok, w, 0.0)
@@ -114,8 +116,9 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, n_rows, NH: tl.constexpr, HD: tl
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
               v_pool: torch.Tensor, ctx_lens: torch.Tensor, tables: torch.Tensor, rows: int,
-              cfg: DFlashConfig, splits: int = 1) -> torch.Tensor:
-    """Same contract as :func:`.ops_torch.attention` (``splits`` context splits)."""
+              cfg: DFlashConfig, splits: int = 1, tuning: dict | None = None) -> torch.Tensor:
+    """Same contract as :func:`.ops_torch.attention` (``splits`` context splits);
+    ``tuning`` overrides ``block_n``, ``num_warps``, ``num_stages`` (benchmarks)."""
     r, nh, nkv, hd = ctx_lens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     n_rows = r * rows
     out = torch.empty(n_rows, nh * hd, dtype=q.dtype, device=q.device)
@@ -123,6 +126,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.T
         return out
     for x in (q, k, v):
         assert x.stride(1) == 1, "head dimension must be contiguous"
+    assert 1 <= splits <= MAX_SPLITS, f"splits must be in 1..{MAX_SPLITS}, got {splits}"
     if splits > 1:
         part = torch.empty(splits, n_rows, nh, hd, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, n_rows, nh, dtype=torch.float32, device=q.device)
@@ -131,16 +135,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.T
     group = nh // nkv
     block_m = max(16, triton.next_power_of_2(group * rows))
     block_t = max(16, triton.next_power_of_2(rows))
-    block_n = 64 if hd <= 128 else 32
-    assert k.stride(0) == v.stride(0), "block keys and values must share a row stride"
+    tune = {"block_n": 64 if hd <= 128 else 32, "num_warps": 4 if block_m <= 32 else 8,
+            "num_stages": 2, **(tuning or {})}
     precision = "ieee" if q.dtype == torch.float32 else None
     _paged_attention_kernel[(r, nkv, splits)](
         q, k, v, k_pool, v_pool, ctx_lens, tables, out, part, lse,
-        q.stride(0), k.stride(0), tables.stride(0), rows, n_rows, (hd ** -0.5) * _LOG2E,
-        NH=nh, NKV=nkv, HD=hd, BS=k_pool.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_T=block_t, SPLITS=splits, CAUSAL=cfg.causal, PRECISION=precision,
-        num_warps=4 if block_m <= 32 else 8, num_stages=2)
+        q.stride(0), k.stride(0), v.stride(0), tables.stride(0), rows, n_rows, (hd ** -0.5) * _LOG2E,
+        splits,
+        NH=nh, NKV=nkv, HD=hd, BS=k_pool.shape[1], BLOCK_M=block_m, BLOCK_N=tune["block_n"],
+        BLOCK_T=block_t, ONE_SPLIT=splits == 1, CAUSAL=cfg.causal, PRECISION=precision,
+        num_warps=tune["num_warps"], num_stages=tune["num_stages"])
     if splits > 1:
-        _combine_kernel[(n_rows, nh)](part, lse, out, n_rows, NH=nh, HD=hd, SPLITS=splits,
-                                      SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
+        _combine_kernel[(n_rows, nh)](part, lse, out, n_rows, splits, NH=nh, HD=hd,
+                                      SPLITS_P2=MAX_SPLITS, num_warps=4)
     return out
