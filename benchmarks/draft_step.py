@@ -158,6 +158,11 @@ def main() -> None:
                 table.append({"engine": "new", "B": b, "K": k, "context": c, "propose_ms": ms,
                               "eager_ms": eager_ms, "floor_ms": 1e3 * floor, "ratio": ms / (1e3 * floor),
                               "flop_ms": 1e3 * parts.propose_flops(cfg, b, k, c) / bw["matmul_flops"]})
+                graph = engine.graphs and engine.graphs.graphs.get(
+                    (next(x for x in engine.graphs.buckets if x >= b), k))
+                if graph:                  # the replay alone: propose_ms minus this is host time
+                    with torch.cuda.stream(engine.stream):
+                        table[-1]["graph_device_ms"] = parts._events_ms(graph.graph.replay, args.iters)
                 print(table[-1], flush=True)
 
     old = EagerDFlashEngine(weights)
@@ -181,7 +186,8 @@ def main() -> None:
     profile = None
     if cuda:
         try:
-            profile = parts.profile_step(engine, ctx_states[contexts[0]][:32], cfg, args.profile_out)
+            profile = [parts.profile_step(engine, ctx_states[contexts[0]][:b], cfg, args.profile_out)
+                       for b in (32, 1)]
         except Exception as exc:          # the profile is informative; never lose the run for it
             profile = {"error": repr(exc)}
 

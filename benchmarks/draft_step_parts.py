@@ -173,7 +173,7 @@ def attention_choice(engine, ctx_states: dict, contexts, sync, iters: int, copy_
 
 
 def profile_step(engine, states, cfg: DFlashConfig, path: str | None) -> dict:
-    """Device time per kernel family of one eager propose (B=32, K=7), from torch.profiler."""
+    """Device time per kernel family of one eager propose (K=7), from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
     b, k = len(states), 7
     batch = ProposeBatch(states, [[]] * b, torch.zeros(b, dtype=torch.long), k)
@@ -203,7 +203,8 @@ def profile_step(engine, states, cfg: DFlashConfig, path: str | None) -> dict:
         families[fam] += us
         total += us
     if path:
-        with open(path, "w") as f:
+        with open(path, "a") as f:
+            f.write(f"\n# one eager propose, B={b}, K={k}\n")
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
     return {"batch": b, "k": k, "context": max(s.length for s in states),
             "device_us_total": total, "device_us_by_family": dict(families)}

@@ -43,6 +43,12 @@ def kernels(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
     close(ops_triton.rms_norm(x, w, 1e-6), ops_torch.rms_norm(x, w, 1e-6), "rms_norm", dtype)
     for got, want in zip(ops_triton.add_rms_norm(x, r, w, 1e-6), ops_torch.add_rms_norm(x, r, w, 1e-6)):
         close(got, want, "add_rms_norm", dtype)
+    for cols in (1000, 8192 * 2 + 5):
+        logits = rnd(6, cols)
+        logits[1, 17] = logits[1, cols - 3] = logits[1].max() + 1      # a tie: the first wins
+        logits[2, cols - 1] = logits[2].max() + 1                      # in the last chunk
+        assert torch.equal(ops_triton.argmax(logits), ops_torch.argmax(logits)), "argmax"
+        assert int(ops_triton.argmax(logits)[1]) == 17
     gu = rnd(5, 96)
     close(ops_triton.silu_mul(gu), ops_torch.silu_mul(gu), "silu_mul", dtype)
     for neox in (True, False):

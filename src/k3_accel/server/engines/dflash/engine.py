@@ -260,6 +260,10 @@ class DFlashEngine(DraftEngine):
         return block_logits(self.weights, self.ops, self.cache.kv, batch,
                             self._splits(batch.anchors.shape[0]))
 
+    def drafts(self, batch: BlockBatch) -> torch.Tensor:
+        """Greedy draft ids ``[R, k]`` on the device (graph-capturable)."""
+        return greedy(self.weights, self.ops, self.forward(batch))
+
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> Proposal:
         start = time.perf_counter()
@@ -285,7 +289,7 @@ class DFlashEngine(DraftEngine):
         width = max(1, max(len(s.blocks) for s in batch.states))
         buf = self.host_inputs(anchors, batch.states, r, width).to(self.device, non_blocking=True)
         logits = self.forward(self.device_batch(buf, r, width, k))
-        ids = greedy(self.weights, logits)
+        ids = greedy(self.weights, self.ops, logits)
         if batch.logits == "full":
             return Proposal(ids.cpu(), logits=target_logits(self.weights, logits).cpu())
         if batch.logits == "topk":

@@ -16,7 +16,6 @@ import torch
 import triton
 
 from ..pool import BlockTable
-from .model import greedy
 
 if TYPE_CHECKING:
     from .engine import DFlashEngine
@@ -61,12 +60,12 @@ class GraphRunner:
             inputs = torch.zeros(bucket * (2 + self.width), dtype=torch.int32, device=eng.device)
             batch = eng.device_batch(inputs, bucket, self.width, k)
             with eng._on_device():                     # warm up: Triton JIT, cuBLAS plans
-                greedy(eng.weights, eng.forward(batch))
+                eng.drafts(batch)
             eng.stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.mempool, stream=eng.stream,
                                   capture_error_mode="thread_local"):
-                tokens = greedy(eng.weights, eng.forward(batch))
+                tokens = eng.drafts(batch)
             self.graphs[(bucket, k)] = _Graph(graph, inputs, tokens)
         self.captured_k.add(k)
 

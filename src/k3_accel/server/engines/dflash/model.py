@@ -148,9 +148,9 @@ def block_logits(fw: FusedWeights, ops: Any, kv: torch.Tensor, batch: BlockBatch
     return logits.view(r, batch.k, -1)
 
 
-def greedy(fw: FusedWeights, logits: torch.Tensor) -> torch.Tensor:
+def greedy(fw: FusedWeights, ops: Any, logits: torch.Tensor) -> torch.Tensor:
     """Argmax target ids ``[R, k]`` int64 (through ``d2t`` for a reduced draft vocab)."""
-    ids = logits.argmax(dim=-1)
+    ids = ops.argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
     return ids if fw.d2t is None else ids + fw.d2t[ids]
 
 

@@ -58,6 +58,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximum of each row of ``x [N, V]`` (int64)."""
+    return x.argmax(dim=-1)
+
+
 def store_context(kv_proj: torch.Tensor, k_norms: torch.Tensor, cos_sin: torch.Tensor,
                   positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
                   cfg: DFlashConfig) -> None:

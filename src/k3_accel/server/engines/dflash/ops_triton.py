@@ -77,58 +77,63 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 # ------------------------------------------------------------- norm + rope ---
 
 @triton.jit
-def _norm_rope_head(src, dst, w_ptr, cs_ptr, pos, eps, HD: tl.constexpr, ROT: tl.constexpr,
-                    NEOX: tl.constexpr):
-    """RMSNorm one head vector at ``src`` (weight ``w_ptr``), rotate it at ``pos`` and
-    write it at ``dst`` (may equal ``src``)."""
-    half = tl.arange(0, ROT // 2)
+def _norm_rope_heads(src, dst, w_q, w_k, is_q, ok, cs_ptr, pos, eps, HD: tl.constexpr,
+                     ROT: tl.constexpr, NEOX: tl.constexpr):
+    """RMSNorm the head vectors at ``src [H, 1]`` (weight ``w_q`` where ``is_q``, else
+    ``w_k``), rotate them at ``pos`` and write them at ``dst [H, 1]`` (may equal ``src``);
+    rows where ``ok`` is false are left alone."""
+    half = tl.arange(0, ROT // 2)[None, :]
     if NEOX:
         i1 = half
         i2 = half + ROT // 2
     else:
         i1 = 2 * half
         i2 = 2 * half + 1
-    d = tl.arange(0, HD)
-    rest = d >= ROT
-    x1 = tl.load(src + i1).to(tl.float32)
-    x2 = tl.load(src + i2).to(tl.float32)
+    d = tl.arange(0, HD)[None, :]
+    tail = d >= ROT
+    rest = tail & ok
+    x1 = tl.load(src + i1, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + i2, mask=ok, other=0.0).to(tl.float32)
     xr = tl.load(src + d, mask=rest, other=0.0).to(tl.float32)
-    ss = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0) + tl.sum(xr * xr, axis=0)
-    rstd = tl.rsqrt(ss / HD + eps)
+    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xr * xr, axis=1)
+    rstd = tl.rsqrt(ss / HD + eps)[:, None]
     dt = dst.dtype.element_ty
-    n1 = ((x1 * rstd).to(dt) * tl.load(w_ptr + i1)).to(dt).to(tl.float32)
-    n2 = ((x2 * rstd).to(dt) * tl.load(w_ptr + i2)).to(dt).to(tl.float32)
-    nr = (xr * rstd).to(dt) * tl.load(w_ptr + d, mask=rest, other=0.0)
+    w1 = tl.where(is_q, tl.load(w_q + i1), tl.load(w_k + i1))
+    w2 = tl.where(is_q, tl.load(w_q + i2), tl.load(w_k + i2))
+    wr = tl.where(is_q, tl.load(w_q + d, mask=tail, other=0.0), tl.load(w_k + d, mask=tail, other=0.0))
+    n1 = ((x1 * rstd).to(dt) * w1).to(dt).to(tl.float32)
+    n2 = ((x2 * rstd).to(dt) * w2).to(dt).to(tl.float32)
+    nr = (xr * rstd).to(dt) * wr
     cos = tl.load(cs_ptr + pos * ROT + half).to(tl.float32)
     sin = tl.load(cs_ptr + pos * ROT + ROT // 2 + half).to(tl.float32)
-    tl.store(dst + i1, (n1 * cos - n2 * sin).to(dt))
-    tl.store(dst + i2, (n2 * cos + n1 * sin).to(dt))
+    tl.store(dst + i1, (n1 * cos - n2 * sin).to(dt), mask=ok)
+    tl.store(dst + i2, (n2 * cos + n1 * sin).to(dt), mask=ok)
     tl.store(dst + d, nr.to(dt), mask=rest)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, row_stride, eps,
-                         NH: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr):
+                         NH: tl.constexpr, NKV: tl.constexpr, HEADS_P2: tl.constexpr,
+                         HD: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    head = tl.arange(0, HEADS_P2)[:, None]              # q heads, then the k heads
     pos = tl.load(pos_ptr + row).to(tl.int64)
-    ptr = qkv_ptr + row * row_stride + head * HD       # k heads follow the q heads
-    if head < NH:
-        _norm_rope_head(ptr, ptr, qw_ptr, cs_ptr, pos, eps, HD, ROT, NEOX)
-    else:
-        _norm_rope_head(ptr, ptr, kw_ptr, cs_ptr, pos, eps, HD, ROT, NEOX)
+    ptr = qkv_ptr + row * row_stride + head * HD
+    _norm_rope_heads(ptr, ptr, qw_ptr, kw_ptr, head < NH, head < NH + NKV, cs_ptr, pos, eps,
+                     HD, ROT, NEOX)
 
 
 def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
                  cos_sin: torch.Tensor, positions: torch.Tensor, cfg: DFlashConfig
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place on ``qkv``; returns the ``q`` and ``k`` column views."""
+    """In place on ``qkv`` (one program per row, all heads); returns the q and k views."""
     n = qkv.shape[0]
     if n:
-        _qk_norm_rope_kernel[(n, cfg.num_heads + cfg.num_kv_heads)](
+        heads = triton.next_power_of_2(cfg.num_heads + cfg.num_kv_heads)
+        _qk_norm_rope_kernel[(n,)](
             qkv, q_norm, k_norm, cos_sin, positions, qkv.stride(0), cfg.rms_norm_eps,
-            NH=cfg.num_heads, HD=cfg.head_dim, ROT=cfg.rotary_dim, NEOX=cfg.is_neox_style,
-            num_warps=1)
+            NH=cfg.num_heads, NKV=cfg.num_kv_heads, HEADS_P2=heads, HD=cfg.head_dim,
+            ROT=cfg.rotary_dim, NEOX=cfg.is_neox_style, num_warps=4 if heads * cfg.head_dim <= 4096 else 8)
     return qkv[:, :cfg.q_size], qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size]
 
 
@@ -137,22 +142,24 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
 @triton.jit
 def _store_context_kernel(proj_ptr, kw_ptr, cs_ptr, pos_ptr, slot_ptr, kv_ptr, proj_stride,
                           layer_stride, eps, v_scale, L: tl.constexpr, NKV: tl.constexpr,
-                          HD: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
-                          HAS_VSCALE: tl.constexpr):
+                          NKV_P2: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+                          NEOX: tl.constexpr, HAS_VSCALE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
-    head = tl.program_id(2)
+    head = tl.arange(0, NKV_P2)[:, None]
+    ok = head < NKV
     pos = tl.load(pos_ptr + row).to(tl.int64)
     slot = tl.load(slot_ptr + row).to(tl.int64)
     stride = layer_stride.to(tl.int64)
     src = proj_ptr + row * proj_stride + layer * (2 * NKV * HD) + head * HD
     k_dst = kv_ptr + layer * stride + slot * (NKV * HD) + head * HD
-    _norm_rope_head(src, k_dst, kw_ptr + layer * HD, cs_ptr, pos, eps, HD, ROT, NEOX)
-    d = tl.arange(0, HD)
-    v = tl.load(src + NKV * HD + d)
+    w = kw_ptr + layer * HD
+    _norm_rope_heads(src, k_dst, w, w, head < 0, ok, cs_ptr, pos, eps, HD, ROT, NEOX)
+    d = tl.arange(0, HD)[None, :]
+    v = tl.load(src + NKV * HD + d, mask=ok, other=0.0)
     if HAS_VSCALE:
         v = (v.to(tl.float32) * v_scale).to(v.dtype)
-    tl.store(k_dst + L * stride + d, v)             # kv[1] follows kv[0]
+    tl.store(k_dst + L * stride + d, v, mask=ok)       # kv[1] follows kv[0]
 
 
 def store_context(kv_proj: torch.Tensor, k_norms: torch.Tensor, cos_sin: torch.Tensor,
@@ -160,11 +167,51 @@ def store_context(kv_proj: torch.Tensor, k_norms: torch.Tensor, cos_sin: torch.T
                   cfg: DFlashConfig) -> None:
     n = kv_proj.shape[0]
     if n:
-        _store_context_kernel[(n, cfg.num_layers, cfg.num_kv_heads)](
+        _store_context_kernel[(n, cfg.num_layers)](
             kv_proj, k_norms, cos_sin, positions, slots, kv, kv_proj.stride(0), kv.stride(1),
             cfg.rms_norm_eps, 1.0 if cfg.v_scale is None else cfg.v_scale, L=cfg.num_layers,
-            NKV=cfg.num_kv_heads, HD=cfg.head_dim, ROT=cfg.rotary_dim, NEOX=cfg.is_neox_style,
-            HAS_VSCALE=cfg.v_scale is not None, num_warps=1)
+            NKV=cfg.num_kv_heads, NKV_P2=triton.next_power_of_2(cfg.num_kv_heads),
+            HD=cfg.head_dim, ROT=cfg.rotary_dim, NEOX=cfg.is_neox_style,
+            HAS_VSCALE=cfg.v_scale is not None, num_warps=4)
+
+
+# ------------------------------------------------------------------ argmax ---
+
+@triton.jit
+def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, n_cols, x_stride, n_chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * n_chunks + chunk, best)
+    tl.store(idx_ptr + row * n_chunks + chunk, chunk * BLOCK + where)
+
+
+@triton.jit
+def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS_P2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS_P2)
+    vals = tl.load(val_ptr + row * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
+    _, first = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + first).to(tl.int64))
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximum of each row of ``x [N, V]`` (int64), in two passes:
+    per-chunk maxima over the whole device, then one small pass per row."""
+    n, cols = x.shape
+    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    if n:
+        block = min(8192, triton.next_power_of_2(cols))
+        chunks = triton.cdiv(cols, block)
+        vals = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
+        idx = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
+        _argmax_chunks_kernel[(n, chunks)](x, vals, idx, cols, x.stride(0), chunks, BLOCK=block,
+                                           num_warps=8)
+        _argmax_rows_kernel[(n,)](vals, idx, out, chunks,
+                                  CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=1)
+    return out
 
 
 # --------------------------------------------------------------- SiLU * up ---
