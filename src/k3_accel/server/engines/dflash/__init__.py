@@ -1,6 +1,7 @@
-"""DFlash block-drafting engine (pure PyTorch)."""
-from .checkpoint import CheckpointError, DFlashConfig, DFlashWeights, load_dflash
-from .engine import DFlashEngine, DFlashState
+"""DFlash block-drafting engine: batched, over one paged K/V pool (see engine.py)."""
+from .config import CheckpointError, DFlashConfig, read_dflash_config
+from .engine import DFlashEngine
+from .weights import DFlashWeights, draft_tensor_shapes, load_dflash
 
-__all__ = ["CheckpointError", "DFlashConfig", "DFlashEngine", "DFlashState", "DFlashWeights",
-           "load_dflash"]
+__all__ = ["CheckpointError", "DFlashConfig", "DFlashEngine", "DFlashWeights", "draft_tensor_shapes",
+           "load_dflash", "read_dflash_config"]

@@ -1,185 +1,319 @@
-"""DFlashEngine: per-request context K/V cache + batched block drafting."""
+"""DFlashEngine: batched DFlash block drafting over one paged K/V pool.
+
+* Memory: one pool (:mod:`.kv_cache`) sized at start from a byte budget or a
+  fraction of free GPU memory; a request's state is a
+  :class:`~..pool.BlockTable`. Rewind, fork and release edit tables only;
+  forks share full blocks and copy a partial last one (copy on write).
+* Ingest: all new rows of all items in one pass (one host-to-device copy of
+  the hidden rows, one fc / norm / K-V projection, one scatter into the pool).
+* Propose: every request's query block goes through the layers together;
+  attention reads each request's own paged context. Greedy argmax runs on
+  the device and only ``[R, k]`` ids come back, unless logits are asked for.
+  On CUDA, decode-shaped proposals replay CUDA graphs (:mod:`.graphs`).
+* All device work runs on an engine-owned CUDA stream, so any thread may call.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import time
+from typing import Any
 
+import numpy as np
 import torch
 
-from ..base import DraftEngine, EngineCaps, EngineError, Proposal
-from .checkpoint import DFlashWeights, load_dflash
-from .model import Rope, block_forward, compute_logits, context_kv, query_block
+from ..base import (DraftEngine, EngineCaps, EngineError, EngineFault, IngestBatch, ProposeBatch,
+                    Proposal)
+from ..pool import BlockTable, PoolExhausted
+from . import ops_torch
+from .host_tables import HostTables
+from .kv_cache import KVCache, blocks_in_budget, bytes_per_row, cuda_budget
+from .model import BlockBatch, block_logits, context_projection, fuse, greedy, rope_table, target_logits
+from .weights import DFlashWeights, load_dflash
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_MIN_CAPACITY = 16
+DEFAULT_CPU_BUDGET = 256 << 20
+DEFAULT_MEMORY_FRACTION = 0.8       # of the GPU memory free once weights are loaded
 
 
-@dataclass
-class DFlashState:
-    """Context K/V of one request: rows ``0..length-1`` of ``k``/``v``
-    (``[layers, capacity, nkv, head_dim]``) are valid; rows past ``length``
-    are scratch (the transient query block is written there by ``propose``)."""
-    k: torch.Tensor
-    v: torch.Tensor
-    length: int = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
+def _dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
 
 
-class _StateKV:
-    """KVSource that writes each request's block K/V into its state's spare
-    rows and returns views (no copy of the context)."""
-
-    def __init__(self, states: list[DFlashState], block: int):
-        self.states, self.block = states, block
-
-    def keys_values(self, layer, req, k_block, v_block):
-        s = self.states[req]
-        end = s.length + self.block
-        s.k[layer, s.length:end] = k_block
-        s.v[layer, s.length:end] = v_block
-        return s.k[layer, :end], s.v[layer, :end], s.length
+def select_ops(kernels: str, device: torch.device, weights: DFlashWeights, block_rows: int) -> Any:
+    """``"auto"``: fused Triton kernels on CUDA where the shapes allow, else PyTorch."""
+    if kernels not in ("auto", "torch", "triton"):
+        raise ValueError(f"kernels must be auto, torch or triton, got {kernels!r}")
+    if kernels == "torch" or (kernels == "auto" and device.type != "cuda"):
+        return ops_torch
+    try:
+        from . import ops_triton
+    except ImportError:
+        if kernels == "triton":
+            raise
+        return ops_torch
+    why = ops_triton.unsupported(weights.config, block_rows, weights.dtype)
+    if why and kernels == "triton":
+        raise ValueError(f"the Triton kernels cannot run this draft: {why}")
+    return ops_torch if why else ops_triton
 
 
 class DFlashEngine(DraftEngine):
-    """DFlash block drafter over a draft checkpoint and its target's embed/lm_head."""
+    """DFlash block drafter over a draft checkpoint and its target's embed/lm_head.
+
+    ``dtype`` defaults to bfloat16 on CUDA and float32 on the CPU. The pool holds
+    ``budget_bytes`` (else ``memory_fraction`` of free GPU memory, else 256 MiB on
+    the CPU) in blocks of ``block_size`` rows. See :meth:`_build` for the rest.
+    """
 
     def __init__(self, draft_dir: str, target_dir: str, device: str = "cpu",
-                 dtype: str = "float32", max_spec_tokens: int | None = None,
-                 block_size: int = 16):
+                 dtype: str | None = None, **options: Any):
+        dev = torch.device(device)
+        self._build(load_dflash(draft_dir, target_dir, _dtype(dtype, dev), dev), **options)
+
+    @classmethod
+    def from_weights(cls, weights: DFlashWeights, **options: Any) -> "DFlashEngine":
+        """An engine over already loaded weights (their device and dtype)."""
+        engine = cls.__new__(cls)
+        engine._build(weights, **options)
+        return engine
+
+    def _build(self, weights: DFlashWeights, *, block_size: int = 16, budget_bytes: int | None = None,
+               memory_fraction: float | None = None, max_spec_tokens: int | None = None,
+               max_batch: int = 64, kernels: str = "auto", cuda_graphs: bool = True,
+               graph_k: tuple[int, ...] | None = None) -> None:
+        """``max_batch``: largest CUDA-graph batch bucket; ``graph_k``: numbers of draft
+        tokens captured at start (default: ``max_spec_tokens``; others are captured on
+        first use); ``kernels``: "auto", "triton" or "torch"."""
+        cfg = weights.config
         if max_spec_tokens is not None and max_spec_tokens < 0:
             raise ValueError(f"max_spec_tokens must be >= 0, got {max_spec_tokens}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} not supported; use one of {sorted(_DTYPES)}")
-        self.dtype = _DTYPES[dtype]
-        self.device = torch.device(device)
-        self.weights: DFlashWeights = load_dflash(draft_dir, target_dir, self.dtype, self.device)
-        cfg = self.weights.config
-        self.config = cfg
-        self.rope = Rope(cfg, self.dtype, self.device)
         limit = cfg.block_size - 1
+        self.config, self.device, self.dtype = cfg, weights.device, weights.dtype
         self.caps = EngineCaps(
             kind="dflash", needs_hidden_states=True, context_width=cfg.context_width,
             supports_logits=True, supports_topk=True,
             max_spec_tokens=limit if max_spec_tokens is None else min(max_spec_tokens, limit),
-            block_size=block_size, vocab_size=cfg.vocab_size, mask_token_id=cfg.mask_token_id,
-            aux_layer_ids=tuple(cfg.target_layer_ids))
+            block_size=block_size, vocab_size=cfg.vocab_size, hidden_size=cfg.target_hidden_size,
+            mask_token_id=cfg.mask_token_id, aux_layer_ids=tuple(cfg.target_layer_ids))
+        self.ops = select_ops(kernels, self.device, weights, block_size)
+        self.weights = fuse(weights)
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self._row_bytes = bytes_per_row(cfg, self.dtype)
+        if budget_bytes is None:
+            budget_bytes = (cuda_budget(self.device, memory_fraction or DEFAULT_MEMORY_FRACTION,
+                                        self._workspace_bytes(max_batch))
+                            if cuda else DEFAULT_CPU_BUDGET)
+        elif memory_fraction is not None:
+            raise ValueError("give budget_bytes or memory_fraction, not both")
+        self.cache = KVCache(cfg, blocks_in_budget(budget_bytes, block_size, self._row_bytes),
+                             block_size, self.dtype, self.device)
+        self.pool = self.cache.pool
+        self.host_tables = HostTables()
+        self._splits = self._split_rule()
+        self._stats: dict[str, float] = {"propose_seconds": 0.0, "propose_batch": 0,
+                                         "ingest_seconds": 0.0, "ingest_rows": 0}
+        self._ingest_events: tuple[Any, Any] | None = None
+        self.graphs = None
+        if cuda and cuda_graphs and self.ops is not ops_torch:
+            from .graphs import GraphRunner
+            torch.cuda.current_stream(self.device).synchronize()
+            self.graphs = GraphRunner(self, max_batch)
+            for k in graph_k if graph_k is not None else (self.caps.max_spec_tokens,):
+                if 0 < k <= self.caps.max_spec_tokens:
+                    self.graphs.capture(k)
+
+    def _workspace_bytes(self, max_batch: int) -> int:
+        """Activation room kept out of the pool: logits and MLP rows of the largest batch."""
+        cfg = self.config
+        rows = max_batch * (self.caps.max_spec_tokens + 1)
+        per_row = 4 * cfg.vocab_size + 6 * cfg.intermediate_size + 16 * cfg.hidden_size
+        return 512 * 2**20 + rows * per_row * torch.empty((), dtype=self.dtype).element_size()
+
+    def _split_rule(self):
+        """Context splits of the Triton attention for ``R`` requests: enough programs
+        (requests x kv heads x splits) to fill the device twice over."""
+        if self.device.type != "cuda" or self.ops is ops_torch:
+            return lambda r: 1
+        from .triton_attention import MAX_SPLITS
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        nkv = self.config.num_kv_heads
+        return lambda r: max(1, min(MAX_SPLITS, (2 * sms) // max(1, r * nkv)))
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        if self.stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self.stream))
+        return stack
 
     # ------------------------------------------------------------ state ---
 
     @property
     def bytes_per_row(self) -> int:
-        cfg = self.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * cfg.kv_size * elem
+        return self._row_bytes
 
-    def _alloc(self, capacity: int) -> DFlashState:
-        cfg = self.config
-        shape = (cfg.num_layers, capacity, cfg.num_kv_heads, cfg.head_dim)
-        return DFlashState(torch.empty(shape, dtype=self.dtype, device=self.device),
-                           torch.empty(shape, dtype=self.dtype, device=self.device))
+    def new_state(self) -> BlockTable:
+        return BlockTable()
 
-    def new_state(self) -> DFlashState:
-        return self._alloc(0)
+    def length(self, state: BlockTable) -> int:
+        return state.length
 
-    def _reserve(self, state: DFlashState, rows: int) -> None:
-        """Make room for ``rows`` rows, growing geometrically (amortised O(1))."""
-        if rows <= state.capacity:
-            return
-        grown = self._alloc(max(rows, 2 * state.capacity, _MIN_CAPACITY))
-        n = state.length
-        grown.k[:, :n] = state.k[:, :n]
-        grown.v[:, :n] = state.v[:, :n]
-        state.k, state.v = grown.k, grown.v
+    def table(self, state: BlockTable) -> BlockTable:
+        return state
 
-    def _check_rows(self, state: DFlashState, positions: torch.Tensor,
-                    hidden: torch.Tensor | None) -> int:
-        """Validate an append without touching state; returns the row count."""
-        width = self.caps.context_width
-        if not isinstance(hidden, torch.Tensor):
-            raise EngineError("BAD_REQUEST", "dflash needs hidden rows with every context row")
-        if hidden.dim() != 2 or hidden.shape[1] != width:
-            raise EngineError("BAD_REQUEST",
-                              f"hidden rows have shape {list(hidden.shape)}, expected [n, {width}]")
-        if hidden.dtype not in _HIDDEN_DTYPES:
-            raise EngineError("BAD_REQUEST", f"hidden rows have dtype {hidden.dtype}")
-        n = hidden.shape[0]
-        pos = torch.as_tensor(positions).reshape(-1)
-        expected = torch.arange(state.length, state.length + n)
-        if pos.numel() != n or not torch.equal(pos.long().cpu(), expected):
-            raise EngineError("BAD_REQUEST",
-                              f"positions must be {state.length}..{state.length + n - 1}")
-        if not bool(torch.isfinite(hidden).all()):
-            raise EngineError("NON_FINITE", "hidden rows contain NaN or Inf")
-        return n
+    def fork(self, state: BlockTable, length: int) -> BlockTable:
+        try:
+            with self._on_device():
+                new = self.pool.fork(state, length, self.cache.copy_block)
+        except PoolExhausted as exc:
+            raise EngineError(EngineFault.CAPACITY, f"cannot fork {length} rows: {exc}") from exc
+        self.host_tables.update(new)
+        return new
+
+    def release(self, state: BlockTable) -> None:
+        self.pool.release(state)
+
+    def _ensure_positions(self, n: int) -> None:
+        """Grow the RoPE table to cover positions ``0..n-1`` (recaptures graphs)."""
+        table = self.weights.cos_sin
+        if n > table.shape[0]:
+            with self._on_device():
+                self.weights.cos_sin = rope_table(self.config, max(n, 2 * table.shape[0]),
+                                                  self.dtype, self.device)
+            if self.graphs is not None:
+                self.graphs.reset()
+
+    # ----------------------------------------------------------- ingest ---
 
     @torch.inference_mode()
-    def append(self, state: DFlashState, positions: torch.Tensor, token_ids: torch.Tensor,
-               hidden: torch.Tensor | None) -> None:
-        """Compute and store K/V for the new context rows. A rejected append
-        (bad shape/dtype/positions, non-finite values) leaves ``state`` unchanged."""
-        n = self._check_rows(state, positions, hidden)
-        if n == 0:
-            return
-        pos = torch.arange(state.length, state.length + n, device=self.device)
-        k, v = context_kv(self.weights, self.rope,
-                          hidden.to(device=self.device, dtype=self.dtype), pos)
-        self._reserve(state, state.length + n)
-        state.k[:, state.length:state.length + n] = k
-        state.v[:, state.length:state.length + n] = v
-        state.length += n
+    def ingest(self, batch: IngestBatch) -> None:
+        start = time.perf_counter()
+        items = list(zip(batch.states, batch.starts, batch.counts))
+        need = sum(self.pool.blocks_needed(s, first, n) for s, first, n in items)
+        if need > self.pool.free_blocks:
+            raise EngineError(EngineFault.CAPACITY,
+                              f"ingest needs {need} free blocks, the pool has {self.pool.free_blocks}")
+        rows = int(sum(batch.counts))
+        if rows:
+            self._ensure_positions(int(batch.positions.max()) + 1)
+        with self._on_device():
+            slots = []
+            for state, first, n in items:
+                self.pool.extend(state, first, n, self.cache.copy_block)
+                self.host_tables.update(state, first // self.pool.block_rows)
+                if n:
+                    slots.append(self.cache.slots(state.blocks, first, n))
+            if rows:
+                events = self._events()
+                index = torch.stack([batch.positions.long(), torch.cat(slots)])
+                index = index.to(self.device, non_blocking=True)
+                hidden = batch.hidden.to(self.device, non_blocking=True).to(self.dtype)
+                proj = context_projection(self.weights, self.ops, hidden)
+                self.ops.store_context(proj, self.weights.k_norms, self.weights.cos_sin, index[0],
+                                       index[1], self.cache.kv, self.config)
+                if events is not None:
+                    events[1].record(self.stream)
+                    self._ingest_events = events
+        self._stats["ingest_rows"] = rows
+        self._stats["ingest_seconds"] = time.perf_counter() - start
 
-    def truncate(self, state: DFlashState, length: int) -> None:
-        if not 0 <= length <= state.length:
-            raise EngineError("BAD_REQUEST", f"cannot truncate {state.length} rows to {length}")
-        state.length = length
-
-    def fork(self, state: DFlashState, length: int) -> DFlashState:
-        if not 0 <= length <= state.length:
-            raise EngineError("BAD_REQUEST", f"cannot fork {length} of {state.length} rows")
-        new = self._alloc(max(length, _MIN_CAPACITY))
-        new.k[:, :length] = state.k[:, :length]
-        new.v[:, :length] = state.v[:, :length]
-        new.length = length
-        return new
+    def _events(self) -> tuple[Any, Any] | None:
+        if self.stream is None:
+            return None
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(self.stream)
+        return begin, end
 
     # ---------------------------------------------------------- propose ---
 
-    def _check_propose(self, states, histories, anchors, k) -> None:
-        if not len(states) == len(histories) == len(anchors):
-            raise EngineError("BAD_REQUEST", "states, histories and anchors differ in length")
-        if k > self.caps.max_spec_tokens:
-            raise EngineError("K_TOO_LARGE", f"k={k} > max_spec_tokens={self.caps.max_spec_tokens}")
-        if k < 0:
-            raise EngineError("BAD_REQUEST", f"k={k} < 0")
-        for s, hist, a in zip(states, histories, anchors):
-            if not 0 <= int(a) < self.config.vocab_size:
-                raise EngineError("BAD_REQUEST", f"anchor token {a} outside the vocab")
-            if len(hist) != s.length:
-                raise EngineError("BAD_REQUEST",
-                                  f"history has {len(hist)} tokens but state has {s.length} rows")
+    def host_inputs(self, anchors: torch.Tensor, states: list[BlockTable], rows: int, width: int,
+                    out: np.ndarray | None = None) -> torch.Tensor:
+        """One int32 buffer ``[anchors (rows) | context lengths (rows) | tables (rows x width)]``;
+        rows past ``len(states)`` are padding (anchor 0, no context). Table entries past a
+        request's blocks are never read, so a reused ``out`` keeps stale ones."""
+        if out is None:
+            buf = np.zeros(rows * (2 + width), dtype=np.int32)
+        else:
+            buf = out
+            buf[:2 * rows] = 0
+        n = len(states)
+        buf[:n] = anchors.numpy()
+        buf[rows:rows + n] = [s.length for s in states]
+        tables = buf[2 * rows:].reshape(rows, width)
+        for i, s in enumerate(states):
+            tables[i, :len(s.blocks)] = self.host_tables.get(s)
+        return torch.from_numpy(buf)
+
+    @staticmethod
+    def device_batch(buf: torch.Tensor, rows: int, width: int, k: int) -> BlockBatch:
+        return BlockBatch(buf[:rows], buf[rows:2 * rows], buf[2 * rows:].view(rows, width), k)
+
+    def forward(self, batch: BlockBatch) -> torch.Tensor:
+        """Draft logits ``[R, k, draft_V]`` of a device batch (graph-capturable)."""
+        return block_logits(self.weights, self.ops, self.cache.kv, batch,
+                            self._splits(batch.anchors.shape[0]))
+
+    def drafts(self, batch: BlockBatch) -> torch.Tensor:
+        """Greedy draft ids ``[R, k]`` on the device (graph-capturable)."""
+        return greedy(self.weights, self.ops, self.forward(batch))
 
     @torch.inference_mode()
-    def propose(self, states: list[DFlashState], histories: list[torch.Tensor],
-                anchors: list[int], k: int, want_logits: bool = False) -> Proposal:
-        """Greedy block drafts: request i's block ``[anchor_i, mask*k]`` sits at
-        positions ``L_i..L_i+k`` and attends to its ``L_i`` context rows. All
-        requests run batched through the projections/MLP; attention is per
-        request. Block K/V only touch rows past each state's length."""
-        self._check_propose(states, histories, anchors, k)
-        n_req, vocab = len(states), self.config.vocab_size
-        if n_req == 0 or k == 0:
-            logits = torch.zeros(n_req, k, vocab) if want_logits else None
-            return Proposal(torch.full((n_req, k), -1, dtype=torch.long), logits)
-        for s in states:
-            self._reserve(s, s.length + k + 1)
-        ids = torch.tensor([query_block(self.config, int(a), k) for a in anchors],
-                           device=self.device)
-        starts = torch.tensor([s.length for s in states], device=self.device)
-        positions = starts[:, None] + torch.arange(k + 1, device=self.device)[None]
-        h = block_forward(self.weights, self.rope, ids, positions, _StateKV(states, k + 1))
-        logits = compute_logits(self.weights, h[:, 1:]).cpu()
-        return Proposal(logits.argmax(dim=-1), logits if want_logits else None)
+    def propose(self, batch: ProposeBatch) -> Proposal:
+        start = time.perf_counter()
+        r, k = len(batch.states), batch.k
+        if r == 0 or k == 0:
+            return self._empty(r, k, batch)
+        self._ensure_positions(max(s.length for s in batch.states) + k + 1)
+        anchors = batch.anchors.reshape(-1).cpu()
+        tokens = None
+        with self._on_device():
+            if batch.logits == "none" and self.graphs is not None:
+                tokens = self.graphs.run(anchors, batch.states, k)
+            if tokens is not None:
+                out = Proposal(tokens)
+            else:
+                out = self._propose_eager(anchors, batch)
+        self._stats["propose_batch"] = r
+        self._stats["propose_seconds"] = time.perf_counter() - start
+        return out
+
+    def _propose_eager(self, anchors: torch.Tensor, batch: ProposeBatch) -> Proposal:
+        r, k = len(batch.states), batch.k
+        width = max(1, max(len(s.blocks) for s in batch.states))
+        buf = self.host_inputs(anchors, batch.states, r, width).to(self.device, non_blocking=True)
+        logits = self.forward(self.device_batch(buf, r, width, k))
+        ids = greedy(self.weights, self.ops, logits)
+        if batch.logits == "full":
+            return Proposal(ids.cpu(), logits=target_logits(self.weights, logits).cpu())
+        if batch.logits == "topk":
+            values, indices = target_logits(self.weights, logits).topk(batch.topk, dim=-1)
+            return Proposal(ids.cpu(), topk_values=values.cpu(), topk_indices=indices.cpu())
+        return Proposal(ids.cpu())
+
+    def _empty(self, r: int, k: int, batch: ProposeBatch) -> Proposal:
+        out = Proposal(torch.full((r, k), -1, dtype=torch.long))
+        if batch.logits == "full":
+            out.logits = torch.zeros(r, k, self.config.vocab_size)
+        elif batch.logits == "topk":
+            out.topk_values = torch.zeros(r, k, batch.topk)
+            out.topk_indices = torch.zeros(r, k, batch.topk, dtype=torch.long)
+        return out
+
+    # ------------------------------------------------------------ stats ---
+
+    def stats(self) -> dict[str, float]:
+        """Last propose/ingest step (seconds, batch size / rows) and pool occupancy, for
+        /metrics. On CUDA the ingest time is the device's, once its work has finished."""
+        if self._ingest_events is not None and self._ingest_events[1].query():
+            begin, end = self._ingest_events
+            self._stats["ingest_seconds"] = begin.elapsed_time(end) / 1e3
+            self._ingest_events = None
+        return {**self._stats, "pool_used_blocks": self.pool.used_blocks,
+                "pool_total_blocks": self.pool.num_blocks}

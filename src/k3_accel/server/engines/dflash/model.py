@@ -1,244 +1,164 @@
-"""DFlash draft math in plain PyTorch (no vLLM), following notes/dflash.md.
+"""DFlash draft math over a paged K/V cache, batched over requests.
 
-Numerics follow vLLM's native ops: RMSNorm in fp32 then cast (the fused
-add+norm normalises the fp32 sum and keeps the residual rounded to the model
-dtype), RoPE with an fp32 cos/sin table cast to the model dtype, attention
-scores/softmax/PV in fp32, logits ``lm_head(h) * logit_scale`` in the model
-dtype.
-
-Two entry points share these functions: :func:`context_kv` (context rows ->
-per-layer K/V) and :func:`block_forward` (the query block attending to
-context + block K/V, handed to it by a :class:`KVSource`).
-:func:`reference_propose` recomputes everything for one request without any
-cache; the engine must agree with it.
+Weights are fused once at start (:func:`fuse`): q/k/v of a layer in one
+matrix, gate/up in one, and the context K/V projections of *all* layers in
+one, so a context chunk costs one fc GEMM, one norm and one K/V GEMM. The
+small elementwise steps (norms, RoPE, SiLU, the K/V scatter, attention) come
+from an ops backend: :mod:`.ops_torch` (pure PyTorch, CPU and reference) or
+:mod:`.ops_triton` (fused CUDA kernels). See notes/dflash.md for the math.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import DFlashConfig, DFlashWeights, LayerWeights
+from .config import DFlashConfig
+from .weights import DFlashWeights
 
 
-# ---------------------------------------------------------------- norms ---
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in fp32, returned in ``x.dtype``."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (xf.to(weight.dtype) * weight).to(x.dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(x + residual), x + residual)``; the sum is taken in fp32 and the
-    returned residual is rounded to ``x.dtype`` (vLLM's fused_add_rms_norm)."""
-    s = x.float() + residual.float()
-    normed = s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (normed.to(weight.dtype) * weight).to(x.dtype), s.to(x.dtype)
+@dataclass
+class FusedLayer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor                 # [(nh + 2 nkv) hd, H]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor              # [hd]
+    k_norm: torch.Tensor              # [hd]
+    o: torch.Tensor                   # [H, nh hd]
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor             # [2 F, H]
+    down: torch.Tensor                # [H, F]
 
 
-# ----------------------------------------------------------------- rope ---
+@dataclass
+class FusedWeights:
+    config: DFlashConfig
+    embed: torch.Tensor               # [V, H]
+    lm_head: torch.Tensor             # [draft_V, H]
+    d2t: torch.Tensor | None          # [draft_V] int64
+    norm: torch.Tensor
+    fc: torch.Tensor                  # [H, A Ht]
+    hidden_norm: torch.Tensor
+    context_kv: torch.Tensor          # [L * 2 * nkv * hd, H]: per layer k_proj rows then v_proj rows
+    context_kv_bias: torch.Tensor | None
+    k_norms: torch.Tensor             # [L, hd]
+    layers: list[FusedLayer]
+    cos_sin: torch.Tensor             # [positions, rotary_dim]: cos | sin, fp32-built, model dtype
 
-class Rope:
-    """Rotary embedding with a cos/sin table built like vLLM's (fp32, then cast).
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.dtype
 
-    The table covers ``max_position_embeddings`` and grows on demand; rows for
-    a position never change when it grows.
-    """
-
-    def __init__(self, cfg: DFlashConfig, dtype: torch.dtype, device: torch.device | str):
-        self.rotary_dim = cfg.rotary_dim
-        self.theta = cfg.rope_theta
-        self.neox = cfg.is_neox_style
-        self.dtype, self.device = dtype, torch.device(device)
-        self.table = self._build(cfg.max_position_embeddings)
-
-    def _build(self, n: int) -> torch.Tensor:
-        rot = self.rotary_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
-        t = torch.arange(n, dtype=torch.float)
-        freqs = torch.einsum("i,j -> ij", t, inv_freq)
-        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-        return table.to(device=self.device, dtype=self.dtype)
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [n, heads, head_dim]`` at ``positions [n]`` (new tensor)."""
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self.table.shape[0]:
-            self.table = self._build(max(need, 2 * self.table.shape[0]))
-        cos, sin = self.table.index_select(0, positions).chunk(2, dim=-1)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
-        if self.neox:
-            x1, x2 = rot.chunk(2, dim=-1)
-        else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-        out = torch.cat((o1, o2), dim=-1) if self.neox else torch.stack((o1, o2), -1).flatten(-2)
-        return torch.cat((out, rest), dim=-1)
+    @property
+    def device(self) -> torch.device:
+        return self.fc.device
 
 
-# ------------------------------------------------------------ attention ---
-
-def _heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    return x.view(x.shape[0], n_heads, head_dim)
-
-
-def project_kv(cfg: DFlashConfig, lw: LayerWeights, rope: Rope, x: torch.Tensor,
-               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K (k_norm, RoPE) and V (value scale) of rows ``x [n, H]``: each ``[n, nkv, hd]``."""
-    k = _heads(F.linear(x, lw.k_proj, lw.k_bias), cfg.num_kv_heads, cfg.head_dim)
-    v = _heads(F.linear(x, lw.v_proj, lw.v_bias), cfg.num_kv_heads, cfg.head_dim)
-    k = rope.apply(rms_norm(k, lw.k_norm, cfg.rms_norm_eps), positions)
-    if cfg.v_scale is not None:
-        v = v * cfg.v_scale
-    return k, v
+def rope_table(cfg: DFlashConfig, positions: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``[positions, rotary_dim]`` = cos | sin, built in fp32 and cast (as vLLM does)."""
+    rot = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device=device, dtype=dtype)
 
 
-def context_kv(w: DFlashWeights, rope: Rope, hidden: torch.Tensor, positions: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Context K/V for aux rows ``hidden [n, A*Ht]`` at ``positions [n]``.
+def _cat_bias(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if parts[0] is None else torch.cat(parts)
 
-    ``c = fc(hidden)``, ``n = hidden_norm(c)`` (no input_layernorm), then per
-    layer ``k = rope(k_norm(k_proj(n)))``, ``v = v_proj(n)``. Returns
-    ``k, v`` of shape ``[layers, n, nkv, head_dim]``. Each row depends only on
-    its own input row and position.
-    """
+
+def fuse(w: DFlashWeights, positions: int | None = None) -> FusedWeights:
+    """The engine's weight layout (copies; ``w`` may be dropped afterwards)."""
     cfg = w.config
-    normed = rms_norm(F.linear(hidden, w.fc), w.hidden_norm, cfg.rms_norm_eps)
-    ks, vs = zip(*(project_kv(cfg, lw, rope, normed, positions) for lw in w.layers))
-    return torch.stack(ks), torch.stack(vs)
+    layers = [FusedLayer(
+        input_norm=lw.input_layernorm, post_norm=lw.post_attention_layernorm,
+        qkv=torch.cat([lw.q_proj, lw.k_proj, lw.v_proj]),
+        qkv_bias=_cat_bias([lw.q_bias, lw.k_bias, lw.v_bias]),
+        q_norm=lw.q_norm, k_norm=lw.k_norm, o=lw.o_proj, o_bias=lw.o_bias,
+        gate_up=torch.cat([lw.gate_proj, lw.up_proj]), down=lw.down_proj) for lw in w.layers]
+    kv_rows = [t for lw in w.layers for t in (lw.k_proj, lw.v_proj)]
+    kv_bias = [t for lw in w.layers for t in (lw.k_bias, lw.v_bias)]
+    return FusedWeights(
+        config=cfg, embed=w.embed_tokens, lm_head=w.lm_head, d2t=w.d2t, norm=w.norm, fc=w.fc,
+        hidden_norm=w.hidden_norm, context_kv=torch.cat(kv_rows), context_kv_bias=_cat_bias(kv_bias),
+        k_norms=torch.stack([lw.k_norm for lw in w.layers]), layers=layers,
+        cos_sin=rope_table(cfg, positions or cfg.max_position_embeddings, w.dtype, w.device))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, causal: bool
-           ) -> torch.Tensor:
-    """Attention of block queries ``q [B, nh, hd]`` over keys/values
-    ``[ctx_len + B, nkv, hd]`` (context then block), GQA head h -> kv head
-    h // (nh/nkv), scale hd^-0.5, fp32 math. Non-causal: every query sees every
-    key; causal: block query i sees context and block keys 0..i.
-    Returns ``[B, nh*hd]`` in ``q.dtype``."""
-    b, nh, hd = q.shape
-    nkv = k.shape[1]
-    qf = q.float().view(b, nkv, nh // nkv, hd).permute(1, 2, 0, 3)       # [nkv, g, B, hd]
-    kf = k.float().permute(1, 2, 0).unsqueeze(1)                         # [nkv, 1, hd, T]
-    vf = v.float().permute(1, 0, 2).unsqueeze(1)                         # [nkv, 1, T, hd]
-    scores = torch.matmul(qf, kf) * (hd ** -0.5)                         # [nkv, g, B, T]
-    if causal:
-        t = k.shape[0]
-        allowed = torch.arange(t, device=q.device)[None, :] <= (
-            ctx_len + torch.arange(b, device=q.device)[:, None])
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), vf)                # [nkv, g, B, hd]
-    return out.permute(2, 0, 1, 3).reshape(b, nh * hd).to(q.dtype)
+# ------------------------------------------------------------------ ingest ---
+
+def context_projection(fw: FusedWeights, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``[N, L * 2 * nkv * hd]``: every layer's k/v projection of ``hidden_norm(fc(rows))``."""
+    x = ops.rms_norm(F.linear(hidden, fw.fc), fw.hidden_norm, fw.config.rms_norm_eps)
+    return F.linear(x, fw.context_kv, fw.context_kv_bias)
 
 
-class KVSource(Protocol):
-    """Where a request's context K/V live during a block forward."""
+# ----------------------------------------------------------------- propose ---
 
-    def keys_values(self, layer: int, req: int, k_block: torch.Tensor, v_block: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Return ``(K, V, ctx_len)``: context rows then the given block rows,
-        each ``[ctx_len + B, nkv, hd]``."""
-        ...
+@dataclass
+class BlockBatch:
+    """Device inputs of one propose: ``R`` query blocks of ``T = k + 1`` rows."""
+    anchors: torch.Tensor             # [R] int
+    ctx_lens: torch.Tensor            # [R] int32: context rows of each request
+    tables: torch.Tensor              # [R, W] int32: block ids (entries past a context unread)
+    k: int
 
-
-def _attention(w: DFlashWeights, li: int, rope: Rope, x: torch.Tensor, positions: torch.Tensor,
-               kv: KVSource, n_req: int) -> torch.Tensor:
-    cfg, lw = w.config, w.layers[li]
-    q = _heads(F.linear(x, lw.q_proj, lw.q_bias), cfg.num_heads, cfg.head_dim)
-    q = rope.apply(rms_norm(q, lw.q_norm, cfg.rms_norm_eps), positions)
-    k, v = project_kv(cfg, lw, rope, x, positions)
-    b = x.shape[0] // n_req
-    outs = []
-    for r in range(n_req):
-        rows = slice(r * b, (r + 1) * b)
-        keys, values, ctx_len = kv.keys_values(li, r, k[rows], v[rows])
-        outs.append(attend(q[rows], keys, values, ctx_len, cfg.causal))
-    return F.linear(torch.cat(outs), lw.o_proj, lw.o_bias)
+    @property
+    def rows(self) -> int:
+        return self.k + 1
 
 
-def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj), lw.down_proj)
-
-
-def block_forward(w: DFlashWeights, rope: Rope, token_ids: torch.Tensor, positions: torch.Tensor,
-                  kv: KVSource) -> torch.Tensor:
-    """Run the query blocks ``token_ids [R, B]`` at ``positions [R, B]`` through
-    the draft layers (Qwen3 pre-norm; attention over context + block from
-    ``kv``) and the final norm. Returns hidden states ``[R, B, H]``."""
-    cfg = w.config
-    n_req, b = token_ids.shape
-    flat_pos = positions.reshape(-1)
-    x = F.embedding(token_ids.reshape(-1), w.embed_tokens)
+def block_logits(fw: FusedWeights, ops: Any, kv: torch.Tensor, batch: BlockBatch, splits: int
+                 ) -> torch.Tensor:
+    """Logits ``[R, k, draft_V]`` (model dtype, ``logit_scale`` applied) of draft offsets
+    1..k: the blocks ``[anchor, mask * k]`` at positions ``L_r .. L_r + k`` through the
+    draft layers, each attending to its paged context (``kv [2, L, blocks, rows, nkv, hd]``)
+    and its own block."""
+    cfg = fw.config
+    r, t = batch.anchors.shape[0], batch.rows
+    offsets = torch.arange(t, device=batch.ctx_lens.device)
+    ids = torch.where(offsets[None] == 0, batch.anchors[:, None].long(), cfg.mask_token_id)
+    positions = (batch.ctx_lens[:, None].long() + offsets[None]).reshape(-1)
+    eps, q_size, kv_size = cfg.rms_norm_eps, cfg.q_size, cfg.kv_size
+    x = F.embedding(ids.reshape(-1), fw.embed)
     residual = x
-    x = rms_norm(x, w.layers[0].input_layernorm, cfg.rms_norm_eps)
-    for li, lw in enumerate(w.layers):
-        if li > 0:
-            x, residual = add_rms_norm(x, residual, lw.input_layernorm, cfg.rms_norm_eps)
-        x = _attention(w, li, rope, x, flat_pos, kv, n_req)
-        x, residual = add_rms_norm(x, residual, lw.post_attention_layernorm, cfg.rms_norm_eps)
-        x = _mlp(lw, x)
-    x, _ = add_rms_norm(x, residual, w.norm, cfg.rms_norm_eps)
-    return x.view(n_req, b, cfg.hidden_size)
+    for li, lw in enumerate(fw.layers):
+        if li == 0:
+            x = ops.rms_norm(x, lw.input_norm, eps)
+        else:
+            x, residual = ops.add_rms_norm(x, residual, lw.input_norm, eps)
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+        q, k = ops.qk_norm_rope(qkv, lw.q_norm, lw.k_norm, fw.cos_sin, positions, cfg)
+        v = qkv[:, q_size + kv_size:]
+        if cfg.v_scale is not None:
+            v = v * cfg.v_scale
+        attn = ops.attention(q, k, v, kv[0, li], kv[1, li], batch.ctx_lens, batch.tables, t, cfg,
+                             splits)
+        x = F.linear(attn, lw.o, lw.o_bias)
+        x, residual = ops.add_rms_norm(x, residual, lw.post_norm, eps)
+        x = F.linear(ops.silu_mul(F.linear(x, lw.gate_up)), lw.down)
+    # Only offsets 1..k are drafts: the final norm and lm_head skip each block's anchor row.
+    keep = lambda z: z.view(r, t, -1)[:, 1:].reshape(r * batch.k, -1)   # noqa: E731
+    h, _ = ops.add_rms_norm(keep(x), keep(residual), fw.norm, eps)
+    logits = F.linear(h, fw.lm_head)
+    if cfg.logit_scale != 1.0:
+        logits = logits * cfg.logit_scale
+    return logits.view(r, batch.k, -1)
 
 
-def compute_logits(w: DFlashWeights, h: torch.Tensor) -> torch.Tensor:
-    """``lm_head(h) * logit_scale`` (model dtype), scattered to target ids when
-    the draft has its own vocab (``d2t``; other columns -inf). Returns fp32."""
-    logits = F.linear(h, w.lm_head)
-    if w.config.logit_scale != 1.0:
-        logits = logits * w.config.logit_scale
-    if w.d2t is not None:
-        cfg = w.config
-        full = logits.new_full((*logits.shape[:-1], cfg.vocab_size), float("-inf"))
-        full[..., torch.arange(cfg.draft_vocab_size, device=w.d2t.device) + w.d2t] = logits
-        logits = full
-    return logits.float()
+def greedy(fw: FusedWeights, ops: Any, logits: torch.Tensor) -> torch.Tensor:
+    """Argmax target ids ``[R, k]`` int64 (through ``d2t`` for a reduced draft vocab)."""
+    ids = ops.argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
+    return ids if fw.d2t is None else ids + fw.d2t[ids]
 
 
-def query_block(cfg: DFlashConfig, anchor: int, k: int) -> list[int]:
-    """The block's input ids: ``[anchor] + [mask_token_id] * k``."""
-    return [anchor] + [cfg.mask_token_id] * k
-
-
-# ------------------------------------------------------------ reference ---
-
-class _ConcatKV:
-    """KVSource over precomputed context K/V: concatenates the block (no cache)."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v
-
-    def keys_values(self, layer, req, k_block, v_block):
-        return (torch.cat([self.k[layer], k_block]), torch.cat([self.v[layer], v_block]),
-                self.k.shape[1])
-
-
-@torch.inference_mode()
-def reference_propose(weights: DFlashWeights, ctx_hidden: torch.Tensor,
-                      ctx_positions: torch.Tensor, anchor: int, k: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft ``k`` tokens for one request from scratch (no cache, no reuse).
-
-    ``ctx_hidden [L, A*Ht]`` are all accepted context rows at
-    ``ctx_positions [L]``; the block ``[anchor, mask*k]`` sits at positions
-    ``P..P+k`` with ``P = ctx_positions[-1] + 1`` (0 if L == 0). Returns
-    ``(tokens [k] int64, logits [k, V] fp32)`` on CPU; offset i+1 of the block
-    gives draft i (greedy argmax).
-    """
-    w = weights
-    dev, dt = w.device, w.dtype
-    rope = Rope(w.config, dt, dev)
-    hidden = ctx_hidden.to(device=dev, dtype=dt)
-    pos = ctx_positions.to(device=dev, dtype=torch.long)
-    ck, cv = context_kv(w, rope, hidden, pos)
-    start = int(pos[-1]) + 1 if pos.numel() else 0
-    ids = torch.tensor([query_block(w.config, anchor, k)], device=dev)
-    block_pos = torch.arange(start, start + k + 1, device=dev)[None]
-    h = block_forward(w, rope, ids, block_pos, _ConcatKV(ck, cv))
-    logits = compute_logits(w, h[0, 1:]).cpu()
-    return logits.argmax(dim=-1), logits
+def target_logits(fw: FusedWeights, logits: torch.Tensor) -> torch.Tensor:
+    """fp32 logits over the target vocabulary (columns the draft cannot emit are -inf)."""
+    if fw.d2t is None:
+        return logits.float()
+    cfg = fw.config
+    full = logits.new_full((*logits.shape[:-1], cfg.vocab_size), float("-inf"), dtype=torch.float)
+    full[..., torch.arange(cfg.draft_vocab_size, device=fw.d2t.device) + fw.d2t] = logits.float()
+    return full

@@ -1,0 +1,90 @@
+"""CUDA graphs of the greedy propose step, one per (batch bucket, draft tokens).
+
+A graph reads one static int32 input buffer (anchors, context lengths, block
+tables ``[bucket, width]``, padded: see :meth:`DFlashEngine.host_inputs`) and
+writes ``[bucket, k]`` draft ids. A replay is one host-to-device copy from a
+pinned buffer, the replay, one device-to-host copy of the ids into pinned
+memory and a wait on that copy: the step's only host synchronisation. Graphs
+share one memory pool and are captured largest bucket first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+
+from ..pool import BlockTable
+
+if TYPE_CHECKING:
+    from .engine import DFlashEngine
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor      # device int32 buffer the graph reads
+    tokens: torch.Tensor      # device [bucket, k] int64 the graph writes
+
+
+class GraphRunner:
+    def __init__(self, engine: "DFlashEngine", max_batch: int):
+        self.engine = engine
+        self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.captured_k: set[int] = set()
+        self.mempool = torch.cuda.graph_pool_handle()
+        self._size()
+
+    def _size(self) -> None:
+        eng = self.engine
+        rows = eng.pool.block_rows
+        self.width = min(eng.pool.num_blocks, triton.cdiv(eng.weights.cos_sin.shape[0], rows))
+        top, kmax = self.buckets[-1], eng.caps.max_spec_tokens
+        self.host_in = torch.zeros(top * (2 + self.width), dtype=torch.int32, pin_memory=True)
+        self.host_out = torch.zeros(top * max(1, kmax), dtype=torch.int64, pin_memory=True)
+        self.done = torch.cuda.Event()
+
+    def reset(self) -> None:
+        """Forget every graph (the RoPE table moved); captured k values come back lazily."""
+        self.graphs.clear()
+        self._size()
+
+    @torch.inference_mode()
+    def capture(self, k: int) -> None:
+        eng = self.engine
+        for bucket in reversed(self.buckets):
+            inputs = torch.zeros(bucket * (2 + self.width), dtype=torch.int32, device=eng.device)
+            batch = eng.device_batch(inputs, bucket, self.width, k)
+            with eng._on_device():                     # warm up: Triton JIT, cuBLAS plans
+                eng.drafts(batch)
+            eng.stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.mempool, stream=eng.stream,
+                                  capture_error_mode="thread_local"):
+                tokens = eng.drafts(batch)
+            self.graphs[(bucket, k)] = _Graph(graph, inputs, tokens)
+        self.captured_k.add(k)
+
+    def run(self, anchors: torch.Tensor, states: list[BlockTable], k: int) -> torch.Tensor | None:
+        """Draft ids ``[R, k]`` on the CPU, or None when no graph fits (the caller runs
+        the step eagerly). Call on the engine's stream."""
+        r = len(states)
+        bucket = next((b for b in self.buckets if b >= r), None)
+        if bucket is None or max(len(s.blocks) for s in states) > self.width:
+            return None
+        if (bucket, k) not in self.graphs:
+            self.capture(k)
+        g = self.graphs[(bucket, k)]
+        n = bucket * (2 + self.width)
+        self.engine.host_inputs(anchors, states, bucket, self.width, out=self.host_in[:n].numpy())
+        g.inputs.copy_(self.host_in[:n], non_blocking=True)
+        g.graph.replay()
+        out = self.host_out[:bucket * k].view(bucket, k)
+        out.copy_(g.tokens, non_blocking=True)
+        self.done.record(self.engine.stream)
+        self.done.synchronize()
+        return out[:r].clone()

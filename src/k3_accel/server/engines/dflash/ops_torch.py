@@ -1,0 +1,110 @@
+"""The ops backend in plain PyTorch: runs anywhere (the CPU path, CI) and is the
+correctness reference for :mod:`.ops_triton`.
+
+Numerics follow vLLM's native ops: RMSNorm in fp32, the normalised value cast
+to the model dtype and then scaled by the weight; the fused add+norm keeps the
+residual rounded to the model dtype but normalises the fp32 sum; RoPE in the
+model dtype; attention scores, softmax and the weighted sum of values in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import DFlashConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf.to(weight.dtype) * weight).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x.float() + residual.float()
+    normed = s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed.to(weight.dtype) * weight).to(x.dtype), s.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, cfg: DFlashConfig
+         ) -> torch.Tensor:
+    """Rotate ``x [N, ..., hd]`` at ``positions [N]`` (neox halves or interleaved pairs)."""
+    cos, sin = cos_sin.index_select(0, positions.long()).chunk(2, dim=-1)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    rot, rest = x[..., :cfg.rotary_dim], x[..., cfg.rotary_dim:]
+    x1, x2 = rot.chunk(2, dim=-1) if cfg.is_neox_style else (rot[..., 0::2], rot[..., 1::2])
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    out = torch.cat((o1, o2), dim=-1) if cfg.is_neox_style else torch.stack((o1, o2), -1).flatten(-2)
+    return torch.cat((out, rest), dim=-1)
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                 cos_sin: torch.Tensor, positions: torch.Tensor, cfg: DFlashConfig
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head q/k RMSNorm then RoPE of the fused projection ``qkv [N, (nh+2nkv) hd]``;
+    returns ``q [N, nh hd]`` and ``k [N, nkv hd]``."""
+    n, hd = qkv.shape[0], cfg.head_dim
+    q = qkv[:, :cfg.q_size].reshape(n, cfg.num_heads, hd)
+    k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].reshape(n, cfg.num_kv_heads, hd)
+    q = rope(rms_norm(q, q_norm, cfg.rms_norm_eps), cos_sin, positions, cfg)
+    k = rope(rms_norm(k, k_norm, cfg.rms_norm_eps), cos_sin, positions, cfg)
+    return q.reshape(n, -1), k.reshape(n, -1)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximum of each row of ``x [N, V]`` (int64)."""
+    return x.argmax(dim=-1)
+
+
+def store_context(kv_proj: torch.Tensor, k_norms: torch.Tensor, cos_sin: torch.Tensor,
+                  positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
+                  cfg: DFlashConfig) -> None:
+    """Write context K (k_norm of its layer, RoPE) and V (value scale) of every layer
+    from ``kv_proj [N, L*2*nkv*hd]`` into ``kv [2, L, blocks, rows, nkv, hd]`` at the
+    flat ``slots [N]`` (block * rows + row)."""
+    n, layers = kv_proj.shape[0], cfg.num_layers
+    proj = kv_proj.view(n, layers, 2, cfg.num_kv_heads, cfg.head_dim)
+    k = rms_norm(proj[:, :, 0], k_norms[None, :, None, :], cfg.rms_norm_eps)
+    k = rope(k, cos_sin, positions, cfg)
+    v = proj[:, :, 1] if cfg.v_scale is None else proj[:, :, 1] * cfg.v_scale
+    flat = kv.view(2, layers, -1, cfg.num_kv_heads, cfg.head_dim)
+    flat[:, :, slots.long()] = torch.stack([k, v]).transpose(1, 2)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+              v_pool: torch.Tensor, ctx_lens: torch.Tensor, tables: torch.Tensor, rows: int,
+              cfg: DFlashConfig, splits: int = 1) -> torch.Tensor:
+    """Each request's ``rows`` block queries over its paged context then its own block.
+
+    ``q [R*rows, nh*hd]``, block ``k``/``v [R*rows, nkv*hd]`` (any row stride), the
+    layer's pool ``[blocks, block_rows, nkv, hd]``; context of request r: rows
+    ``0..ctx_lens[r]-1`` in blocks ``tables[r]``. Non-causal blocks see every block key;
+    causal ones keys 0..i. GQA head h reads kv head h // (nh/nkv); scale hd^-0.5.
+    ``splits`` is accepted for the Triton signature and ignored. Returns ``[R*rows, nh*hd]``.
+    """
+    r, nkv, hd = ctx_lens.shape[0], cfg.num_kv_heads, cfg.head_dim
+    group, block_rows = cfg.num_heads // nkv, k_pool.shape[1]
+    keys_per_req = tables.shape[1] * block_rows
+    j = torch.arange(keys_per_req, device=q.device)
+    slots = tables.long()[:, j // block_rows] * block_rows + j % block_rows          # [R, W*rows]
+    ctx_k = k_pool.reshape(-1, nkv, hd)[slots]
+    ctx_v = v_pool.reshape(-1, nkv, hd)[slots]
+    keys = torch.cat([ctx_k, k.reshape(r, rows, nkv, hd)], 1).float()              # [R, S, nkv, hd]
+    values = torch.cat([ctx_v, v.reshape(r, rows, nkv, hd)], 1).float()
+    ctx_ok = (j[None] < ctx_lens[:, None]).unsqueeze(1).expand(r, rows, keys_per_req)
+    block_ok = torch.ones(rows, rows, dtype=torch.bool, device=q.device)
+    if cfg.causal:
+        block_ok = block_ok.tril()
+    allowed = torch.cat([ctx_ok, block_ok.expand(r, rows, rows)], -1)               # [R, rows, S]
+    qf = q.reshape(r, rows, nkv, group, hd).float()
+    scores = torch.einsum("rtkgd,rskd->rkgts", qf, keys) * (hd ** -0.5)
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    out = torch.einsum("rkgts,rskd->rtkgd", torch.softmax(scores, dim=-1), values)
+    return out.reshape(r * rows, cfg.q_size).to(q.dtype)

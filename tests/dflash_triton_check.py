@@ -1,0 +1,124 @@
+"""Run by test_dflash_precision.py (and test_dflash_gpu.py) in a subprocess: the Triton
+ops against the PyTorch ops, kernel by kernel and as a whole engine.
+
+On the CPU it needs TRITON_INTERPRET=1 (float32); with ``--device cuda`` it runs
+the compiled kernels in float32 and bfloat16. Prints "all kernels agree" at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import torch
+
+from k3_accel.server.engines.dflash import ops_torch, ops_triton
+from k3_accel.server.engines.dflash.config import DFlashConfig
+from k3_accel.server.engines.dflash.model import rope_table
+from k3_accel.testing.precision import UNIT_ROUNDOFF
+
+CFG = DFlashConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                   intermediate_size=48, rms_norm_eps=1e-6, rope_theta=1e4, rotary_dim=16,
+                   is_neox_style=True, max_position_embeddings=256, attention_bias=False,
+                   vocab_size=100, draft_vocab_size=100, target_hidden_size=64, logit_scale=1.0,
+                   mask_token_id=99, target_layer_ids=(0, 1), block_size=8, causal=False,
+                   v_scale=None)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str, dtype: torch.dtype) -> None:
+    """Relative to the larger of 1 and the values' scale, within 8 roundings of ``dtype``
+    (the two paths round intermediate values at different points)."""
+    scale = max(1.0, want.float().abs().max().item())
+    err = (got.float() - want.float()).abs().max().item() / scale
+    bound = 8 * UNIT_ROUNDOFF[dtype] if dtype != torch.float32 else 1e-5
+    assert err <= bound, f"{what} ({dtype}): relative error {err:.3g} > {bound:.3g}"
+
+
+def kernels(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    x, r, w = rnd(5, 64), rnd(5, 64), (1 + 0.1 * torch.randn(64, generator=gen)).to(device, dtype)
+    close(ops_triton.rms_norm(x, w, 1e-6), ops_torch.rms_norm(x, w, 1e-6), "rms_norm", dtype)
+    for got, want in zip(ops_triton.add_rms_norm(x, r, w, 1e-6), ops_torch.add_rms_norm(x, r, w, 1e-6)):
+        close(got, want, "add_rms_norm", dtype)
+    for cols in (1000, 8192 * 2 + 5):
+        logits = rnd(6, cols)
+        logits[1, 17] = logits[1, cols - 3] = logits[1].max() + 1      # a tie: the first wins
+        logits[2, cols - 1] = logits[2].max() + 1                      # in the last chunk
+        assert torch.equal(ops_triton.argmax(logits), ops_torch.argmax(logits)), "argmax"
+        assert int(ops_triton.argmax(logits)[1]) == 17
+    gu = rnd(5, 96)
+    close(ops_triton.silu_mul(gu), ops_torch.silu_mul(gu), "silu_mul", dtype)
+    for neox in (True, False):
+        for rot in (16, 8):
+            for v_scale in (None, 0.5):
+                cfg = dataclasses.replace(CFG, is_neox_style=neox, rotary_dim=rot, v_scale=v_scale)
+                cs = rope_table(cfg, 256, dtype, device)
+                qkv, pos = rnd(6, 8 * 16), torch.tensor([0, 5, 17, 3, 200, 9], device=device)
+                qw, kw = rnd(16) * 0.1 + 1, rnd(16) * 0.1 + 1
+                for got, want in zip(ops_triton.qk_norm_rope(qkv.clone(), qw, kw, cs, pos, cfg),
+                                     ops_torch.qk_norm_rope(qkv.clone(), qw, kw, cs, pos, cfg)):
+                    close(got, want, f"qk_norm_rope neox={neox} rot={rot}", dtype)
+                proj, kn = rnd(7, 2 * 2 * 2 * 16), rnd(2, 16) * 0.1 + 1
+                slots = torch.tensor([3, 9, 10, 0, 31, 17, 22], device=device)
+                pos = torch.tensor([1, 2, 3, 4, 50, 6, 7], device=device)
+                kv1 = torch.zeros(2, 2, 4, 8, 2, 16, device=device, dtype=dtype)
+                kv2 = kv1.clone()
+                ops_torch.store_context(proj, kn, cs, pos, slots, kv1, cfg)
+                ops_triton.store_context(proj, kn, cs, pos, slots, kv2, cfg)
+                close(kv2, kv1, f"store_context neox={neox} rot={rot} v_scale={v_scale}", dtype)
+    for causal in (False, True):
+        cfg = dataclasses.replace(CFG, causal=causal)
+        for rows in (2, 5, 8, 16):
+            for splits in (1, 3, 7):
+                kp, vp = rnd(100, 8, 2, 16), rnd(100, 8, 2, 16)
+                lens = torch.tensor([0, 13, 150, 64], dtype=torch.int32, device=device)
+                perm = torch.randperm(100, generator=gen)[:80]
+                tables = perm.view(4, 20).to(device=device, dtype=torch.int32)
+                qkv = rnd(4 * rows, 8 * 16)
+                q, k, v = qkv[:, :64], qkv[:, 64:96], qkv[:, 96:]
+                if splits == 3:
+                    v = v * 0.5                   # a value-scaled block: its own row stride
+                close(ops_triton.attention(q, k, v, kp, vp, lens, tables, rows, cfg, splits),
+                      ops_torch.attention(q, k, v, kp, vp, lens, tables, rows, cfg),
+                      f"attention causal={causal} rows={rows} splits={splits}", dtype)
+
+
+def engines(device: str, dtype: str, gen: torch.Generator) -> None:
+    from k3_accel.server.engines.base import IngestBatch, ProposeBatch
+    from k3_accel.server.engines.dflash import DFlashEngine
+    from k3_accel.testing.tiny import write_tiny_dflash, write_tiny_target
+    root = Path(tempfile.mkdtemp())
+    target = write_tiny_target(root / "target")
+    draft = write_tiny_dflash(root / "draft", target)
+    pair = {kind: DFlashEngine(str(draft), str(target), device=device, dtype=dtype, kernels=kind,
+                               budget_bytes=1 << 20, cuda_graphs=False) for kind in ("torch", "triton")}
+    lens = [5, 16, 37]
+    hidden = torch.randn(sum(lens), 256, generator=gen).to(torch.bfloat16)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    out = {}
+    for kind, engine in pair.items():
+        states = [engine.new_state() for _ in lens]
+        engine.ingest(IngestBatch(states, [0] * 3, lens, positions, torch.zeros(len(positions),
+                                                                                dtype=torch.long),
+                                  hidden))
+        engine.ingest(IngestBatch([states[2]], [20], [3], torch.arange(20, 23),
+                                  torch.zeros(3, dtype=torch.long), hidden[:3]))
+        out[kind] = engine.propose(ProposeBatch(states, [[]] * 3, torch.tensor([1, 2, 3]), 7,
+                                                logits="full"))
+    close(out["triton"].logits, out["torch"].logits, "engine logits", getattr(torch, dtype))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    dtypes = ["float32"] if args.device == "cpu" else ["float32", "bfloat16"]
+    for name in dtypes:
+        kernels(args.device, getattr(torch, name), gen)
+        engines(args.device, name, gen)
+        print(f"{name}: ok", flush=True)
+    print("all kernels agree")

@@ -1,0 +1,162 @@
+"""DFlash checkpoint reading: the tiny checkpoint loads as written, the tensor-name
+table matches it, and malformed checkpoints fail with errors naming the fault."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from k3_accel.server.engines.dflash import CheckpointError, draft_tensor_shapes, load_dflash
+from k3_accel.testing.tiny import write_tiny_dflash, write_tiny_target
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("dflash")
+    target = write_tiny_target(root / "target")
+    draft = write_tiny_dflash(root / "draft", target)
+    return draft, target
+
+
+def test_tiny_checkpoint_loads(ckpt):
+    draft, target = ckpt
+    w = load_dflash(draft, target)
+    cfg = w.config
+    assert (cfg.num_layers, cfg.target_layer_ids, cfg.block_size) == (2, (0, 2), 8)
+    assert (cfg.mask_token_id, cfg.vocab_size, cfg.context_width) == (511, 512, 256)
+    assert w.fc.shape == (128, 256) and len(w.layers) == 2 and w.d2t is None
+    tgt = load_file(str(target / "model.safetensors"))
+    assert torch.equal(w.embed_tokens, tgt["model.embed_tokens.weight"])
+    assert torch.equal(w.lm_head, tgt["lm_head.weight"])
+    drafted = load_file(str(draft / "model.safetensors"))
+    assert torch.equal(w.layers[1].k_proj, drafted["layers.1.self_attn.k_proj.weight"])
+    assert torch.equal(w.layers[0].down_proj, drafted["layers.0.mlp.down_proj.weight"])
+    tok_path = target / "tokenizer.json"
+    if tok_path.exists():                                     # written when tokenizers imports
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(tok_path))
+        assert tok.get_vocab_size() == 512 and tok.token_to_id("<|mask|>") == 511
+        assert tok.token_to_id("<|endoftext|>") == 0
+        assert tok.decode(tok.encode("the quick brown fox").ids) == "the quick brown fox"
+    tcfg = json.loads((target / "config.json").read_text())
+    assert tcfg["architectures"] == ["Qwen3ForCausalLM"] and tcfg["head_dim"] == 32
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_tensor_table_matches_checkpoint(tmp_path, bias):
+    """The one tensor-name table lists exactly the draft's required tensors and shapes."""
+    target = write_tiny_target(tmp_path / "target")
+    draft = write_tiny_dflash(tmp_path / "draft", target, attention_bias=bias)
+    stored = {k: tuple(v.shape) for k, v in load_file(str(draft / "model.safetensors")).items()}
+    table = draft_tensor_shapes(load_dflash(draft, target).config)
+    assert table == stored
+    assert any(".bias" in name for name in table) == bias
+
+
+# ------------------------------------------------ malformed checkpoints ---
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_tensors(d: Path, fn) -> None:
+    t = load_file(str(d / "model.safetensors"))
+    fn(t)
+    save_file(t, str(d / "model.safetensors"))
+
+
+def _edit_config(d: Path, fn) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    fn(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _load_error(draft: Path, target: Path) -> str:
+    with pytest.raises(CheckpointError) as err:
+        load_dflash(draft, target)
+    return str(err.value)
+
+
+def test_missing_and_misshapen_tensors(ckpt, tmp_path):
+    draft, target = ckpt
+    d = _copy(draft, tmp_path / "missing")
+    _edit_tensors(d, lambda t: t.pop("layers.1.self_attn.k_proj.weight"))
+    assert "missing tensor layers.1.self_attn.k_proj.weight" in _load_error(d, target)
+
+    d = _copy(draft, tmp_path / "shape")
+    _edit_tensors(d, lambda t: t.__setitem__("fc.weight", t["fc.weight"][:, :255].contiguous()))
+    assert "tensor fc.weight has shape [128, 255], expected [128, 256]" in _load_error(d, target)
+
+    t = _copy(target, tmp_path / "target_nohead")
+    _edit_tensors(t, lambda x: x.pop("lm_head.weight"))
+    assert "missing tensor lm_head.weight" in _load_error(draft, t)
+    _edit_config(t, lambda c: c.__setitem__("tie_word_embeddings", True))
+    w = load_dflash(draft, t)                                 # tied: lm_head = embedding
+    assert torch.equal(w.lm_head, w.embed_tokens)
+
+
+@pytest.mark.parametrize("field,value,expect", [
+    ("num_attention_heads", "four", "num_attention_heads"),
+    ("num_key_value_heads", 3, "num_key_value_heads"),
+    ("hidden_size", None, "hidden_size"),
+    ("architectures", ["Qwen3ForCausalLM"], "architectures"),
+    ("dflash_config.mask_token_id", 512, "dflash_config.mask_token_id"),
+    ("dflash_config.target_layer_ids", [], "dflash_config.target_layer_ids"),
+    ("dflash_config.target_layer_ids", [0, 9], "target_layer_ids [9]"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_type 'yarn'"),
+    ("dflash_config.use_swa", True, "sliding-window"),
+])
+def test_bad_config_field(ckpt, tmp_path, field, value, expect):
+    draft, target = ckpt
+    d = _copy(draft, tmp_path / "cfg")
+
+    def edit(cfg):
+        node, key = cfg, field
+        if field.startswith("dflash_config."):
+            node, key = cfg["dflash_config"], field.split(".", 1)[1]
+        if value is None:
+            node.pop(key)
+        else:
+            node[key] = value
+    _edit_config(d, edit)
+    assert expect in _load_error(d, target)
+
+
+def _write_index(d: Path, weight_map: dict[str, str]) -> None:
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_index_paths_must_stay_inside(ckpt, tmp_path):
+    draft, target = ckpt
+    names = list(load_file(str(draft / "model.safetensors")))
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(draft / "model.safetensors", outside)
+
+    good = _copy(draft, tmp_path / "indexed")                # a valid sharded layout loads
+    t = load_file(str(good / "model.safetensors"))
+    (good / "model.safetensors").unlink()
+    save_file({k: v for k, v in t.items() if k.startswith("layers.")}, str(good / "a.safetensors"))
+    save_file({k: v for k, v in t.items() if not k.startswith("layers.")}, str(good / "b.safetensors"))
+    _write_index(good, {n: ("a" if n.startswith("layers.") else "b") + ".safetensors" for n in names})
+    assert load_dflash(good, target).config.num_layers == 2
+
+    for case, rel in (("dotdot", "../outside.safetensors"), ("absolute", str(outside))):
+        d = _copy(draft, tmp_path / case)
+        _write_index(d, {n: ("model.safetensors" if n != "fc.weight" else rel) for n in names})
+        msg = _load_error(d, target)
+        assert "escapes checkpoint directory" in msg and rel in msg
+
+    d = _copy(draft, tmp_path / "symlink")
+    (d / "model.safetensors").unlink()
+    os.symlink(outside, d / "model.safetensors")
+    assert "escapes checkpoint directory" in _load_error(d, target)
+
+    d = _copy(draft, tmp_path / "no_weights")
+    (d / "model.safetensors").unlink()
+    assert "no *.safetensors" in _load_error(d, target)
