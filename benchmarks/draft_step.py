@@ -150,9 +150,9 @@ def main() -> None:
                 states = ctx_states[c][:b]
                 batch = ProposeBatch(states, [[]] * b, torch.randint(0, cfg.vocab_size - 1, (b,),
                                                                      generator=gen), k)
-                ms = 1e3 * timed(lambda: engine.propose(batch), args.iters, 3, sync)
+                ms = 1e3 * timed(lambda: engine.propose(batch).wait(), args.iters, 3, sync)
                 graphs, engine.graphs = engine.graphs, None
-                eager_ms = 1e3 * timed(lambda: engine.propose(batch), max(3, args.iters // 4), 1, sync)
+                eager_ms = 1e3 * timed(lambda: engine.propose(batch).wait(), max(3, args.iters // 4), 1, sync)
                 engine.graphs = graphs
                 floor = (propose_weight_bytes(weights, b * (k + 1)) + b * c * row_bytes) / bw["copy"]
                 table.append({"engine": "new", "B": b, "K": k, "context": c, "propose_ms": ms,

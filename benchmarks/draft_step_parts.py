@@ -179,9 +179,9 @@ def profile_step(engine, states, cfg: DFlashConfig, path: str | None) -> dict:
     batch = ProposeBatch(states, [[]] * b, torch.zeros(b, dtype=torch.long), k)
     graphs, engine.graphs = engine.graphs, None
     try:
-        engine.propose(batch)
+        engine.propose(batch).wait()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.propose(batch)
+            engine.propose(batch).wait()
     finally:
         engine.graphs = graphs
     families: dict[str, float] = defaultdict(float)

@@ -64,7 +64,7 @@ class Mirror:
                 topk: int = 0) -> Proposal:
         return self.engine.propose(ProposeBatch(
             states=states, histories=[[0] * self.engine.length(s) for s in states],
-            anchors=torch.tensor(anchors, dtype=torch.long), k=k, logits=logits, topk=topk))
+            anchors=torch.tensor(anchors, dtype=torch.long), k=k, logits=logits, topk=topk)).wait()
 
     def check_lengths(self) -> None:
         for state, rows in self.rows.items():

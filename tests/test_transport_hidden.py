@@ -89,7 +89,8 @@ def test_prefix_hit_without_retained_context_is_disabled(dflash, client_factory)
     client = make(client_factory, dflash)
     out = client.step(step("cold", 32, 48, tokens, hidden, prompt=tokens[:48]))
     assert out.drafts.tolist() == [[-1] * K] and client.is_disabled("cold")
-    assert client.stats()["counters"]["failures.cold_start"] == 1
+    assert client.stats()["counters"]["failures.reconnect"] == 1     # hidden rows cannot be rebuilt
+    assert client.server_stats()["errors"]["PREFIX_MISMATCH"] == 1
 
 
 def test_missing_hidden_rows_are_a_typed_error(dflash, client_factory):

@@ -95,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="largest K a client may ask for")
     ap.add_argument("--block-size", type=_int_in(1), default=16, help="reconnect granularity in tokens")
     ap.add_argument("--memory-budget-mb", type=_int_in(1), default=None,
-                    help="size of the context pool (draft K/V) in MiB (default: 4096, or "
-                         "--gpu-memory-fraction on CUDA)")
-    ap.add_argument("--gpu-memory-fraction", type=_float_in(0.0, 1.0), default=0.5,
+                    help="size of the context pool (draft K/V; ngram: token index) in MiB (default: "
+                         "--gpu-memory-fraction on CUDA, 256 on CPU for dflash, 1024 for ngram)")
+    ap.add_argument("--gpu-memory-fraction", type=_float_in(0.0, 1.0), default=0.8,
                     help="on CUDA without --memory-budget-mb: this fraction of the free GPU memory "
                          "(after loading weights) becomes the context pool")
     ap.add_argument("--max-message-mb", type=_int_in(1), default=DEFAULT_MAX_MESSAGE_BYTES // MIB,
@@ -152,10 +152,11 @@ def _load_engine(args: argparse.Namespace) -> DraftEngine:
                            max_n=args.ngram_max, block_size=args.block_size,
                            budget_bytes=budget or DEFAULT_BUDGET_BYTES)
     from k3_accel.server.engines.dflash import DFlashEngine
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    return DFlashEngine(args.draft_model, args.target_model, device=args.device, dtype=dtype,
+    pool = {"budget_bytes": budget} if budget is not None else (
+        {"memory_fraction": args.gpu_memory_fraction} if args.device.startswith("cuda") else {})
+    return DFlashEngine(args.draft_model, args.target_model, device=args.device, dtype=args.dtype,
                         max_spec_tokens=args.num_speculative_tokens, block_size=args.block_size,
-                        budget_bytes=budget, memory_fraction=args.gpu_memory_fraction)
+                        graph_k=(args.num_speculative_tokens,), **pool)
 
 
 def serve(args: argparse.Namespace, stop: threading.Event) -> None:

@@ -4,9 +4,10 @@ Each connection (ROUTER identity) has a FIFO of decoded messages; a
 connection's messages are handled strictly in arrival order and its replies
 leave in that order. Each round takes the head message of every connection:
 the proposes among them run as **one engine batch** (several clients'
-proposes that wait at the same time), the rest one by one. While a round
-runs, nothing else is read; between rounds everything that arrived is read
-and decoded first, so a burst from several targets is batched.
+proposes that wait at the same time), the rest one by one. While the
+device computes a batch's drafts, the loop keeps receiving and decoding
+(it never blocks on the GPU); between rounds everything that arrived is
+read first, so a burst from several targets is batched.
 
 Housekeeping between rounds: sessions whose client sent nothing for the
 lease are reclaimed; gauges are refreshed. At shutdown every queued message
@@ -128,8 +129,13 @@ class ServerLoop:
         if proposes:
             for conn in proposes:
                 self.service.metrics.session_message(conn.session.name)
-            replies = self.service.propose_batch([(c.session, c.queue[0]) for c in proposes])
-            for conn, reply in zip(proposes, replies):
+            batch = self.service.start_batch([(c.session, c.queue[0]) for c in proposes])
+            while not batch.done():          # the device works: read and decode what arrives
+                if self.sock.poll(0, zmq.POLLIN):
+                    self._receive_all()
+                else:
+                    time.sleep(0)
+            for conn, reply in zip(proposes, batch.finish()):
                 conn.queue.popleft()
                 self._send(conn, reply)
 

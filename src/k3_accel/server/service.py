@@ -128,30 +128,31 @@ class DraftService:
     # --------------------------------------------------------------- propose
     def propose_batch(self, items: list[tuple[Session, p.Request]]) -> list[Reply]:
         """Proposes of one or more sessions as one engine batch; a reply per message, in order."""
+        return self.start_batch(items).finish()
+
+    def start_batch(self, items: list[tuple[Session, p.Request]]) -> "Batch":
+        """Store the rows of every message and launch the engine; the device may still be
+        working when this returns (:meth:`Batch.done`, :meth:`Batch.finish`)."""
         jobs = [self._prepare(session, req) for session, req in items]
         live = [j for j in jobs if j.error is None and j.req.msg.k > 0 and j.admitted.index]
         by_k: dict[tuple, list[_Job]] = {}
         for job in live:
             m = job.req.msg
             by_k.setdefault((m.k, m.logits, m.topk), []).append(job)
-        results: dict[int, tuple[Proposal, int]] = {}
+        launched = []
         for (k, logits, topk), group in by_k.items():
             try:
                 started = time.perf_counter()
-                proposal = self._run_engine(group, k, logits, topk)
-                proposal_seconds = time.perf_counter() - started
+                launched.append((group, self._run_engine(group, k, logits, topk), started))
             except Exception as exc:  # noqa: BLE001 - every message of the group fails, the server lives
-                log.exception("engine failure in a batch of %d message(s)", len(group))
-                for job in group:
-                    job.error = p.error_reply(job.req.seq, self.server_id, ErrorCode.INTERNAL,
-                                              f"{type(exc).__name__}: {exc}")
-                continue
-            at = 0
-            for job in group:
-                results[id(job)] = (proposal, at)
-                job.engine_s = proposal_seconds
-                at += len(job.admitted.index)
-        return [self._propose_reply(job, results.get(id(job))) for job in jobs]
+                self._group_failed(group, exc)
+        return Batch(self, jobs, launched)
+
+    def _group_failed(self, group: list[_Job], exc: Exception) -> None:
+        log.error("engine failure in a batch of %d message(s): %s", len(group), exc, exc_info=exc)
+        for job in group:
+            job.error = p.error_reply(job.req.seq, self.server_id, ErrorCode.INTERNAL,
+                                      f"{type(exc).__name__}: {exc}")
 
     def _prepare(self, session: Session, req: p.Request) -> _Job:
         job = _Job(session, req, started=time.perf_counter())
@@ -171,13 +172,9 @@ class DraftService:
     def _run_engine(self, group: list[_Job], k: int, logits: str, topk: int) -> Proposal:
         states = [s for job in group for s in job.admitted.states]
         anchors = np.concatenate([job.rows.anchors[job.admitted.index] for job in group])
-        started = time.perf_counter()
-        proposal = self.engine.propose(ProposeBatch(
+        return self.engine.propose(ProposeBatch(
             [s.engine_state for s in states], [s.history for s in states], torch.from_numpy(anchors),
             k, logits, topk))
-        self.metrics.engine_step(len(states), time.perf_counter() - started)
-        self.metrics.proposed(len(states), int((proposal.tokens >= 0).sum()))
-        return proposal
 
     def _propose_reply(self, job: _Job, result: tuple[Proposal, int] | None) -> Reply:
         if job.error is not None:
@@ -224,6 +221,36 @@ class DraftService:
         released = self.store.close_session(session)
         self.metrics.reclaimed(session.name)
         log.warning("session %s reclaimed (%s): %d active request(s) freed", session.name, why, released)
+
+
+class Batch:
+    """Launched engine work of one round of proposes and the replies it will give."""
+
+    def __init__(self, service: DraftService, jobs: list[_Job], launched: list):
+        self.service, self.jobs, self.launched = service, jobs, launched
+
+    def done(self) -> bool:
+        return all(proposal.done() for _, proposal, _ in self.launched)
+
+    def finish(self) -> list[Reply]:
+        """Wait for the device, then a reply per message, in the order given."""
+        svc, results = self.service, {}
+        for group, proposal, started in self.launched:
+            try:
+                proposal.wait()
+            except Exception as exc:  # noqa: BLE001 - a device error fails this group only
+                svc._group_failed(group, exc)
+                continue
+            seconds = time.perf_counter() - started
+            rows = sum(len(job.admitted.index) for job in group)
+            svc.metrics.engine_step(rows, seconds)
+            svc.metrics.proposed(rows, int((proposal.tokens >= 0).sum()))
+            at = 0
+            for job in group:
+                results[id(job)] = (proposal, at)
+                job.engine_s = seconds
+                at += len(job.admitted.index)
+        return [svc._propose_reply(job, results.get(id(job))) for job in self.jobs]
 
 
 def _failures(admitted: r.Admitted) -> list:

@@ -84,10 +84,22 @@ class ProposeBatch:
 
 @dataclass
 class Proposal:
+    """What a propose returns. With ``ready`` (a CUDA event), the device may still be
+    writing ``tokens``: read them only after :meth:`wait` (or once :meth:`done`)."""
     tokens: torch.Tensor                        # [R, k] int64 on CPU, -1 = no draft
     logits: torch.Tensor | None = None          # [R, k, V] on CPU ("full")
     topk_values: torch.Tensor | None = None     # [R, k, topk] on CPU ("topk")
     topk_indices: torch.Tensor | None = None    # [R, k, topk] int64 on CPU
+    ready: Any = None
+
+    def done(self) -> bool:
+        return self.ready is None or bool(self.ready.query())
+
+    def wait(self) -> "Proposal":
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        return self
 
 
 class DraftEngine(ABC):

@@ -277,7 +277,7 @@ class DFlashEngine(DraftEngine):
             if batch.logits == "none" and self.graphs is not None:
                 tokens = self.graphs.run(anchors, batch.states, k)
             if tokens is not None:
-                out = Proposal(tokens)
+                out = Proposal(tokens[0], ready=tokens[1])
             else:
                 out = self._propose_eager(anchors, batch)
         self._stats["propose_batch"] = r

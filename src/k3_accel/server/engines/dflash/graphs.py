@@ -4,7 +4,8 @@ A graph reads one static int32 input buffer (anchors, context lengths, block
 tables ``[bucket, width]``, padded: see :meth:`DFlashEngine.host_inputs`) and
 writes ``[bucket, k]`` draft ids. A replay is one host-to-device copy from a
 pinned buffer, the replay, one device-to-host copy of the ids into pinned
-memory and a wait on that copy: the step's only host synchronisation. Graphs
+memory and an event after it: whoever needs the ids waits on that event, the
+step's only host synchronisation (the server reads its socket meanwhile). Graphs
 share one memory pool and are captured largest bucket first.
 """
 from __future__ import annotations
@@ -69,9 +70,11 @@ class GraphRunner:
             self.graphs[(bucket, k)] = _Graph(graph, inputs, tokens)
         self.captured_k.add(k)
 
-    def run(self, anchors: torch.Tensor, states: list[BlockTable], k: int) -> torch.Tensor | None:
-        """Draft ids ``[R, k]`` on the CPU, or None when no graph fits (the caller runs
-        the step eagerly). Call on the engine's stream."""
+    def run(self, anchors: torch.Tensor, states: list[BlockTable], k: int
+            ) -> tuple[torch.Tensor, torch.cuda.Event] | None:
+        """Draft ids ``[R, k]`` in pinned host memory and the event after which they are
+        there, or None when no graph fits (the caller runs the step eagerly). The ids are
+        valid until the next call. Call on the engine's stream."""
         r = len(states)
         bucket = next((b for b in self.buckets if b >= r), None)
         if bucket is None or max(len(s.blocks) for s in states) > self.width:
@@ -86,5 +89,4 @@ class GraphRunner:
         out = self.host_out[:bucket * k].view(bucket, k)
         out.copy_(g.tokens, non_blocking=True)
         self.done.record(self.engine.stream)
-        self.done.synchronize()
-        return out[:r].clone()
+        return out[:r], self.done
