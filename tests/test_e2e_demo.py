@@ -21,8 +21,8 @@ def _cli() -> list[str]:
 def test_probe_prints_hello_and_stats(ngram_server, capsys):
     assert main(["probe", ngram_server.address]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["hello"]["caps"]["engine"] == "ngram"
-    assert out["hello"]["caps"]["needs_hidden_states"] is False
+    assert out["hello"]["engine"] == "ngram"
+    assert out["hello"]["needs_hidden_states"] is False
     assert out["stats"]["ops"]["hello"] == 1
     assert out["server_id"]
 

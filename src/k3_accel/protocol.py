@@ -343,9 +343,19 @@ def error_reply(seq: int, server_id: str, code: ErrorCode | str, message: str) -
     return Reply(seq, False, server_id, (ErrorCode(code).value, message))
 
 
+_NP_NAMES = {np.dtype(np.int64): "int64", np.dtype(np.int32): "int32", np.dtype(np.float32): "float32",
+             np.dtype(np.uint8): "uint8"}
+
+
 def encode_reply(reply: Reply) -> list:
+    """Frames of a reply; its tensors may be torch tensors or numpy arrays."""
     specs, frames = [], []
     for name, t in reply.tensors.items():
+        if isinstance(t, np.ndarray):
+            t = np.ascontiguousarray(t)
+            specs.append((name, _NP_NAMES[t.dtype], list(t.shape)))
+            frames.append(t.data)
+            continue
         t = t if t.is_contiguous() else t.contiguous()
         specs.append((name, dtype_name(t.dtype), list(t.shape)))
         frames.append(tensor_frame(t))

@@ -166,7 +166,7 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> None:
     metrics = ServerMetrics()
     loop = None
     http = HealthServer(args.host, args.http_port, metrics.registry,
-                        ready=lambda: loop is not None and loop.ready.is_set()).start()
+                        ready=lambda: loop is not None and loop.ready.is_set(), on_scrape=metrics.flush).start()
     log.info("http on %s:%d (/healthz /readyz /metrics)", args.host, http.port)
     try:
         engine = build_engine(args)

@@ -8,7 +8,7 @@ from typing import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 
-def _handler(registry: CollectorRegistry, ready: Callable[[], bool]) -> type:
+def _handler(registry: CollectorRegistry, ready: Callable[[], bool], on_scrape: Callable[[], None]) -> type:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             path = self.path.split("?", 1)[0]
@@ -18,6 +18,7 @@ def _handler(registry: CollectorRegistry, ready: Callable[[], bool]) -> type:
                 ok = ready()
                 self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n", "text/plain")
             elif path == "/metrics":
+                on_scrape()
                 self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
             else:
                 self._send(404, b"not found\n", "text/plain")
@@ -36,8 +37,9 @@ def _handler(registry: CollectorRegistry, ready: Callable[[], bool]) -> type:
 
 
 class HealthServer:
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool]):
-        self.httpd = ThreadingHTTPServer((host, port), _handler(registry, ready))
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, ready: Callable[[], bool],
+                 on_scrape: Callable[[], None] = lambda: None):
+        self.httpd = ThreadingHTTPServer((host, port), _handler(registry, ready, on_scrape))
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="k3-http", daemon=True)

@@ -166,6 +166,7 @@ class ServerLoop:
         for ident in [i for i, c in self._conns.items() if c.session is None and not c.queue]:
             del self._conns[ident]
         self.service.metrics.refresh(store.summary)
+        self.service.metrics.flush()
 
     def _drain(self) -> None:
         """Answer everything that arrived but was not handled before shutdown."""

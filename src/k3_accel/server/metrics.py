@@ -1,6 +1,14 @@
-"""Server counters: Prometheus metrics plus a plain snapshot for the ``stats`` op."""
+"""Server counters: Prometheus metrics plus a plain snapshot for the ``stats`` op.
+
+The hot path only appends to plain Python counters and a list of pending
+observations (under one uncontended lock); :meth:`ServerMetrics.flush` moves
+them into the Prometheus objects, when ``/metrics`` is scraped and during the
+loop's housekeeping. Prometheus calls cost microseconds each, a message has
+about ten of them, and a propose round trip is budgeted in tens of microseconds.
+"""
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from typing import Callable
 
@@ -41,6 +49,8 @@ class ServerMetrics:
         self._by_op: dict[str, tuple] = {}     # op -> its (messages, latency) children
         self._by_code: dict[str, PCounter] = {}
         self._session_names: set[str] = set()
+        self._lock = threading.Lock()
+        self._pending: list[tuple] = []        # (kind, label, value) not yet in Prometheus
         self.ops: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.ingested_rows = 0
@@ -49,41 +59,59 @@ class ServerMetrics:
         self.engine_batches = 0
         self.sessions_reclaimed = 0
 
+    def _add(self, kind: str, label: str, value: float) -> None:
+        with self._lock:
+            self._pending.append((kind, label, value))
+
     def message(self, op: str, seconds: float) -> None:
         self.ops[op] += 1
-        children = self._by_op.get(op)
-        if children is None:
-            children = self._by_op[op] = (self._messages.labels(op), self._latency.labels(op))
-        children[0].inc()
-        children[1].observe(seconds)
+        self._add("message", op, seconds)
 
     def error(self, code: str) -> None:
         self.errors[code] += 1
-        child = self._by_code.get(code)
-        if child is None:
-            child = self._by_code[code] = self._errors.labels(code)
-        child.inc()
+        self._add("error", code, 1)
 
     def rows(self, n: int, seconds: float) -> None:
         if n:
             self.ingested_rows += n
-            self._rows.inc(n)
-            self._ingest.observe(seconds)
+            self._add("rows", "", n)
+            self._add("ingest", "", seconds)
 
     def engine_step(self, batch: int, seconds: float) -> None:
         self.engine_batches += 1
-        self._engine.observe(seconds)
-        self._batch.observe(batch)
+        self._add("engine", "", seconds)
+        self._add("batch", "", batch)
 
     def proposed(self, requests: int, tokens: int) -> None:
         self.proposals += requests
         self.tokens_proposed += tokens
-        self._proposals.inc(requests)
-        self._tokens.inc(tokens)
+        self._add("proposed", "", requests)
+        self._add("tokens", "", tokens)
 
     def reclaimed(self, session: str) -> None:
         self.sessions_reclaimed += 1
-        self._reclaimed.inc()
+        self._add("reclaimed", session, 1)
+
+    def flush(self) -> None:
+        """Move everything recorded since the last flush into the Prometheus objects."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for kind, label, value in pending:
+            if kind == "message":
+                children = self._by_op.get(label)
+                if children is None:
+                    children = self._by_op[label] = (self._messages.labels(label), self._latency.labels(label))
+                children[0].inc()
+                children[1].observe(value)
+            elif kind == "error":
+                child = self._by_code.get(label)
+                if child is None:
+                    child = self._by_code[label] = self._errors.labels(label)
+                child.inc()
+            elif kind == "session":
+                self._session_messages.labels(label).inc()
+            else:
+                _SIMPLE[kind](self, value)
 
     def session_label(self, name: str) -> str:
         """A bounded label set: the first MAX_SESSION_LABELS sessions by name, then "other"."""
@@ -95,7 +123,7 @@ class ServerMetrics:
         return "other"
 
     def session_message(self, name: str) -> None:
-        self._session_messages.labels(self.session_label(name)).inc()
+        self._add("session", self.session_label(name), 1)
 
     def refresh(self, summary: Callable[[], dict]) -> None:
         """Set the gauges from the store's summary (called when /metrics is read)."""
@@ -115,3 +143,10 @@ class ServerMetrics:
         return {"ops": dict(self.ops), "errors": dict(self.errors), "ingested_rows": self.ingested_rows,
                 "proposals": self.proposals, "tokens_proposed": self.tokens_proposed,
                 "engine_batches": self.engine_batches, "sessions_reclaimed": self.sessions_reclaimed}
+
+
+_SIMPLE: dict[str, Callable[[ServerMetrics, float], None]] = {
+    "rows": lambda m, v: m._rows.inc(v), "ingest": lambda m, v: m._ingest.observe(v),
+    "engine": lambda m, v: m._engine.observe(v), "batch": lambda m, v: m._batch.observe(v),
+    "proposed": lambda m, v: m._proposals.inc(v), "tokens": lambda m, v: m._tokens.inc(v),
+    "reclaimed": lambda m, v: m._reclaimed.inc(v)}

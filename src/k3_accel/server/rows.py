@@ -49,15 +49,16 @@ def check_message(req: p.Request, caps: EngineCaps) -> RowMessage:
     """Message-level checks; :class:`ProtocolError` rejects the whole message."""
     msg, meta = req.msg, req.meta
     handles, starts, counts = meta[:, 0], meta[:, 1], meta[:, 2]
-    if (handles < 0).any() or (starts < 0).any() or (counts < 0).any():
+    if len(meta) and int(meta[:, :3].min()) < 0:
         raise ProtocolError(ErrorCode.BAD_FIELD, "handles, starts and counts must be >= 0")
-    if int(counts.sum()) != msg.rows:
-        raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"counts add up to {int(counts.sum())}, rows={msg.rows}")
-    if len(np.unique(handles)) != len(handles):
+    offsets = np.zeros(len(meta) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    if int(offsets[-1]) != msg.rows:
+        raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"counts add up to {int(offsets[-1])}, rows={msg.rows}")
+    if len(set(handles.tolist())) != len(handles):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "a request handle appears twice in one message")
     _check_hidden(msg, caps)
-    out = RowMessage(handles, starts, counts, np.concatenate(([0], np.cumsum(counts))), req.tokens,
-                     req.hidden, None)
+    out = RowMessage(handles, starts, counts, offsets, req.tokens, req.hidden, None)
     if isinstance(msg, p.Propose):
         _check_propose(msg, caps)
         out.anchors, out.k, out.logits, out.topk = meta[:, 3], msg.k, msg.logits, msg.topk
@@ -111,33 +112,42 @@ class Admitted:
 
 def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
     """Per-request checks and pool admission; changes nothing but the retained LRU."""
-    out, vocab = Admitted(), store.engine.caps.vocab_size
-    bad = bad_rows(rows.hidden, rows.offsets)
-    need, fresh, pending = [], 0, []
+    out, vocab, engine = Admitted(), store.engine.caps.vocab_size, store.engine
+    bad = bad_rows(rows.hidden, rows.offsets) if rows.hidden is not None else None
+    pool = engine.pool
+    # every request needs at most ceil(count / block) + 1 new blocks (+1: a shared partial block's copy)
+    precise = int((rows.counts // pool.block_rows + 2).sum()) > pool.free_blocks
+    anchors = rows.anchors.tolist() if rows.anchors is not None and vocab else None
+    active, need, fresh, pending = session.active, [], 0, []
     for i, (handle, start, count) in enumerate(zip(rows.handles.tolist(), rows.starts.tolist(),
                                                    rows.counts.tolist())):
-        state = store.lookup(session, handle)
+        state = active.get(handle)
         try:
+            if state is None:
+                state = store.lookup(session, handle)
+                store.check_room(session, fresh + 1)
             length = state.length if state is not None else 0
             if start > length:
                 raise RequestError(ErrorCode.CONTEXT_GAP, f"request {handle}: rows start at {start}, "
                                                           f"its context ends at {length}")
-            if bad[i]:
+            if bad is not None and bad[i]:
                 raise RequestError(ErrorCode.NON_FINITE, f"request {handle}: {bad[i]} hidden row(s) hold NaN or Inf")
-            if rows.anchors is not None and vocab and not 0 <= int(rows.anchors[i]) < vocab:
-                raise RequestError(ErrorCode.BAD_REQUEST, f"request {handle}: anchor token "
-                                                          f"{int(rows.anchors[i])} outside the vocabulary 0..{vocab - 1}")
-            if state is None or session.active.get(handle) is not state:
-                store.check_room(session, fresh + 1)
+            if anchors is not None and not 0 <= anchors[i] < vocab:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"request {handle}: anchor token {anchors[i]} "
+                                                          f"outside the vocabulary 0..{vocab - 1}")
         except RequestError as exc:
             out.fail(i, exc)
             continue
         if state is None:
             state = store.new_state(session, handle)
-        if session.active.get(handle) is not state:
+        if active.get(handle) is not state:
             fresh += 1
-        pending.append((i, state))
-        need.append(store.engine.blocks_needed(state.engine_state, start, count) if count else 0)
+        if precise:
+            pending.append((i, state))
+            need.append(engine.blocks_needed(state.engine_state, start, count) if count else 0)
+        else:
+            out.index.append(i)
+            out.states.append(state)
     total = 0
     for (i, state), blocks in zip(pending, need):
         try:

@@ -180,14 +180,18 @@ class DraftService:
         if job.error is not None:
             return self._done(job.req, job.error, job.started)
         msg, n = job.req.msg, job.rows.n
-        drafts = torch.full((n, msg.k), -1, dtype=torch.int32)
+        drafts = np.full((n, msg.k), -1, dtype=np.int32)
         tensors = {"drafts": drafts}
         if result is not None:
             proposal, at = result
-            idx = torch.as_tensor(job.admitted.index, dtype=torch.long)
-            span = slice(at, at + len(idx))
-            drafts[idx] = proposal.tokens[span].to(torch.int32)
-            tensors.update(_logit_tensors(msg, n, idx, proposal, span))
+            span = slice(at, at + len(job.admitted.index))
+            if len(job.admitted.index) == n:
+                drafts[:] = proposal.tokens.numpy()[span]
+            else:
+                drafts[job.admitted.index] = proposal.tokens.numpy()[span]
+            if msg.logits != "none":
+                idx = torch.as_tensor(job.admitted.index, dtype=torch.long)
+                tensors.update(_logit_tensors(msg, n, idx, proposal, span))
         reply = self._ok(job.req, [job.store_s, job.engine_s], _failures(job.admitted), tensors)
         return self._done(job.req, reply, job.started)
 
@@ -244,7 +248,7 @@ class Batch:
             seconds = time.perf_counter() - started
             rows = sum(len(job.admitted.index) for job in group)
             svc.metrics.engine_step(rows, seconds)
-            svc.metrics.proposed(rows, int((proposal.tokens >= 0).sum()))
+            svc.metrics.proposed(rows, int((proposal.tokens.numpy() >= 0).sum()))
             at = 0
             for job in group:
                 results[id(job)] = (proposal, at)

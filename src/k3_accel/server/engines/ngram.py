@@ -24,6 +24,7 @@ from k3_accel.server.engines.pool import BlockPool, BlockTable
 DEFAULT_BUDGET_BYTES = 1 << 30
 _BITS = 21                       # bits per token id in a packed gram key
 _PACKABLE = 1 << _BITS
+_SMALL = 64                      # appends up to this many rows are indexed in plain Python
 
 
 def _packed(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -69,6 +70,9 @@ class NgramState:
         """Add the grams that end at positions start..end-1."""
         if start == 0:
             self.first = [{} for _ in range(self.max_n)]
+        if end - start <= _SMALL:
+            self._index_small(start, end)
+            return
         for n in range(1, self.max_n + 1):
             lo = max(start - n + 1, 0)
             span = self.tokens[lo:end]
@@ -90,6 +94,22 @@ class NgramState:
             else:
                 for key, at in new.items():
                     old.setdefault(key, at)
+
+    def _index_small(self, start: int, end: int) -> None:
+        """The same as the numpy path, a token at a time (cheaper for a few rows)."""
+        lo = max(start - self.max_n + 1, 0)
+        hist = self.tokens[lo:end].tolist()
+        first, max_n, packed = self.first, self.max_n, self.packed
+        for j in range(start - lo, end - lo):
+            pos = lo + j
+            key = 0
+            for n in range(1, min(max_n, pos + 1) + 1):
+                t = hist[j - n + 1]
+                if packed:
+                    key |= t << (_BITS * (n - 1))
+                    first[n - 1].setdefault(key, pos - n + 1)
+                else:
+                    first[n - 1].setdefault(tuple(hist[j - n + 1:j + 1]), pos - n + 1)
 
     def rewind(self, length: int) -> None:
         if length < self.length:

@@ -64,6 +64,9 @@ class BlockPool:
     def blocks_needed(self, table: BlockTable, start: int, count: int) -> int:
         """Free blocks the pool must have for a table to hold rows ``start .. start+count-1``
         after a rewind to ``start`` (blocks the rewind itself frees are counted as free)."""
+        if start == table.length and 0 < count <= len(table.blocks) * self.block_rows - start \
+                and self._refs[table.blocks[-1]] == 1:
+            return 0                               # the common append into a private last block
         if not 0 <= start <= table.length:
             raise ValueError(f"rows start at {start}, the table holds {table.length}")
         if count <= 0:
@@ -106,24 +109,25 @@ class BlockPool:
         del table.blocks[keep:]
         table.length = length
 
-    def extend(self, table: BlockTable, start: int, count: int, copy_block: CopyBlock | None = None
-               ) -> list[tuple[int, int]]:
-        """Rewind to ``start`` and make room for ``count`` more rows; returns the
-        ``(block, row_in_block)`` slot of each new row. Raises :class:`PoolExhausted`
-        (nothing changed) when the pool is short."""
+    def extend(self, table: BlockTable, start: int, count: int, copy_block: CopyBlock | None = None) -> None:
+        """Rewind to ``start`` and make room for ``count`` more rows. Raises
+        :class:`PoolExhausted` (nothing changed) when the pool is short."""
+        r = self.block_rows
+        if start == table.length and 0 < count <= len(table.blocks) * r - start \
+                and self._refs[table.blocks[-1]] == 1:
+            table.length += count                  # the common append: room in a private last block
+            return
         need = self.blocks_needed(table, start, count)
         if need > self._top:
             raise PoolExhausted(need, self._top)
         self.truncate(table, start)
         if count <= 0:
-            return []
-        if start % self.block_rows:
+            return
+        if start % r:
             self._own_last(table, copy_block)
         end = start + count
         table.blocks.extend(self.allocate(self.blocks_for(end) - len(table.blocks)))
         table.length = end
-        r = self.block_rows
-        return [(table.blocks[row // r], row % r) for row in range(start, end)]
 
     def _own_last(self, table: BlockTable, copy_block: CopyBlock | None) -> None:
         """Copy a shared partial last block before rows are written into it."""

@@ -1,0 +1,136 @@
+"""The propose round trip a target sees from a GPU DFlash draft server (engine + transport).
+
+The server (a subprocess: ``k3_accel.server`` loop and service over a
+``DFlashEngine`` with the Qwen3-8B-DFlash-shaped random weights of
+``draft_step.py``) holds B requests of CONTEXT rows each; the client
+(``DraftClient``, hidden rows on the GPU like a real target's) times decode
+steps: one new row per request (aux hidden rows, 5 x 4096 bf16) and K
+drafts back. Reported beside the engine's own propose time from the same
+server and a raw pyzmq ping-pong of the same frames. Written into
+``draft-step-*.json`` under ``client_round_trip`` (``--merge FILE``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]
+
+from k3_accel import protocol as p  # noqa: E402
+from k3_accel.transport.api import ClientSettings, StepInput  # noqa: E402
+from k3_accel.transport.client import DraftClient  # noqa: E402
+from rpc import env, free_port, ping_pong  # noqa: E402  (benchmarks/rpc.py)
+import draft_step  # noqa: E402  (benchmarks/draft_step.py)
+
+
+def serve(port: int, quick: bool) -> None:
+    import zmq
+    from k3_accel.server.engines.dflash import DFlashEngine
+    from k3_accel.server.loop import ServerLoop
+    from k3_accel.server.metrics import ServerMetrics
+    from k3_accel.server.service import DraftService
+    from k3_accel.server.state import RequestStore
+    cfg = draft_step.config(quick)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    engine = DFlashEngine.from_weights(draft_step.random_weights(cfg, device, dtype), max_spec_tokens=15,
+                                       graph_k=(7,), **({"budget_bytes": 8 << 30} if device == "cuda" else {}))
+    store = RequestStore(engine, max_requests=1024, max_requests_total=1024, max_retained=0)
+    service = DraftService(engine, store, ServerMetrics())
+    loop = ServerLoop(service, f"tcp://127.0.0.1:{port}", 1 << 31, ctx=zmq.Context())
+    print("ready", cfg.context_width, flush=True)
+    loop.serve(threading.Event())
+
+
+def run(b: int, k: int, context: int, iters: int, quick: bool) -> dict:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)] + (["--quick"] if quick else []),
+                            env=env(), stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().split()
+    if not line or line[0] != "ready":
+        raise RuntimeError("draft server did not start")
+    width = int(line[1])
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16
+    try:
+        client = DraftClient(ClientSettings(address=f"tcp://127.0.0.1:{port}", timeout_ms=120000,
+                                            max_rows=8192, context_width=width, hidden_dtype=dtype,
+                                            num_speculative_tokens=k)).start()
+        assert client.state.value == "ready", client.state
+        ids = [f"r{i}" for i in range(b)]
+        per = max(1, 8192 // context)
+        for lo in range(0, b, per):                                  # prefill: CONTEXT rows each
+            sub = ids[lo:lo + per]
+            n = len(sub) * context
+            client.step(StepInput(sub, [context] * len(sub), torch.arange(context, device=dev).repeat(len(sub)),
+                                  torch.randint(0, 1000, (n,), device=dev), [False] * len(sub), [1] * len(sub),
+                                  [context] * len(sub), k=k, hidden=torch.randn(n, width, device=dev, dtype=dtype)))
+        client.flush()
+        times, server = [], []
+        phases = client.telemetry._total
+        for i in range(iters + 10):
+            pos = context + i
+            inp = StepInput(ids, [1] * b, torch.full((b,), pos, device=dev), torch.randint(0, 1000, (b,), device=dev),
+                            [True] * b, torch.randint(0, 1000, (b,), device=dev), torch.full((b,), pos + 1, device=dev),
+                            k=k, hidden=torch.randn(b, width, device=dev, dtype=dtype))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            served = sum(phases[n].total for n in ("server.store", "server.engine") if n in phases)
+            t0 = time.perf_counter()
+            out = client.step(inp)
+            times.append(time.perf_counter() - t0)
+            server.append(sum(phases[n].total for n in ("server.store", "server.engine")) - served)
+            assert out.drafts.shape == (b, k) and not client.is_disabled("r0")
+        stats = client.stats()
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    times, server = times[10:], server[10:]
+    meta = np.zeros((b, 4), np.int64)
+    req = p.encode_request(1, p.Propose(k, b, b, "bfloat16", width), meta.data, np.zeros(b, np.int64).data,
+                           np.zeros(b * width * 2, np.uint8).data)
+    rep = p.encode_reply(p.Reply(1, True, "x" * 18, result=[1e-4, 1e-4], tensors={"drafts": np.zeros((b, k), np.int32)}))
+    pp = ping_pong([len(bytes(f)) for f in req], [len(bytes(f)) for f in rep], iters + 10, "tcp")[10:]
+    return {"B": b, "K": k, "context": context, "hidden_width": width,
+            "round_trip_ms": statistics.median(times) * 1e3,
+            "round_trip_p90_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
+            "server_store_plus_engine_ms": statistics.median(server) * 1e3,
+            "raw_ping_pong_same_frames_ms": statistics.median(pp) * 1e3,
+            "client_phases_ms": {n: round(v["mean_ms"], 4) for n, v in stats["phases"].items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (any machine)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--merge", help="a draft-step JSON to write the result into (client_round_trip)")
+    args = ap.parse_args()
+    if args.serve:
+        serve(args.serve, args.quick)
+        return
+    result = run(args.batch, args.k, args.context, args.iters, args.quick)
+    print(json.dumps(result, indent=2))
+    if args.merge:
+        doc = json.loads(Path(args.merge).read_text())
+        doc["client_round_trip"] = result
+        Path(args.merge).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
