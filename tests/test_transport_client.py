@@ -129,8 +129,11 @@ def test_close_frees_everything_it_owns(server, client_factory):
     keeper.step(rows(["k"], [(0, [1, 2, 3])], anchors=[1]))
     client = client_factory(server.address)
     client.step(rows(["a", "b"], [(0, [1, 2, 3]), (0, [4, 5])], anchors=[1, 4]))
-    client.finish(["b"])
     assert keeper.server_stats()["active"] == 3
+    client.finish(["b"])
+    client.flush()
+    stats = keeper.server_stats()
+    assert stats["active"] == 2 and stats["retained"] == 1
     client.close()
     stats = keeper.server_stats()
     assert stats["active"] == 1 and stats["retained"] == 0 and len(stats["sessions"]) == 1

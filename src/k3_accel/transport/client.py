@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from k3_accel import protocol as p
-from k3_accel.protocol import ErrorCode, Reply
+from k3_accel.protocol import Reply
 from k3_accel.transport import layout
 from k3_accel.transport.api import ClientSettings, StepInput, StepOutput
 from k3_accel.transport.book import Record, RequestBook
@@ -35,12 +35,12 @@ from k3_accel.transport.capture import CaptureJob, CaptureWriter
 from k3_accel.transport.connection import Pending
 from k3_accel.transport.failures import FailureKind, RingTimeout, StepInputError, TransportError
 from k3_accel.transport.link import Link, State
-from k3_accel.transport.sender import Sender, SendJob
+from k3_accel.transport.outbox import Outbox
+from k3_accel.transport.sender import Sender
 from k3_accel.transport.staging import Slot, StagingRing
 from k3_accel.transport.timing import Telemetry
 
 log = logging.getLogger("k3_accel.transport")
-_HEADER_ROOM = 1 << 16        # bytes kept free in a message for its header and meta frame
 
 
 class DraftClient:
@@ -54,6 +54,7 @@ class DraftClient:
         self.ring = StagingRing(max(settings.ring_depth, 1), settings.max_rows, settings.context_width,
                                 settings.hidden_dtype)
         self.sender = Sender(settings.heartbeat_ms / 1000, self._heartbeat)
+        self.outbox = Outbox(settings, self.link, self.ring, self.book, self.sender, self.telemetry)
         self._capture = (CaptureWriter(settings.capture_dir, self._on_capture_error)
                          if settings.capture_dir else None)
         self._logged_vocab = False
@@ -167,14 +168,14 @@ class DraftClient:
             rec = recs[i]
             rec.length, rec.sent, handles[i] = ends[i], True, rec.handle
         if deferred:
-            self._defer(inp, plan, slot, event, handles)
+            self.outbox.defer(inp, plan, slot, event, handles)
             out.deferred = True
             self.telemetry.add("enqueue", time.perf_counter() - t0)
             return live
         if event is not None:
             with self.telemetry.phase("d2h"):
                 event.synchronize()
-        pending = self._post_step(inp, plan, slot, handles, anchor_tokens)
+        pending = self.outbox.post_step(inp, plan, slot, handles, anchor_tokens)
         self.telemetry.add("enqueue", time.perf_counter() - t0)
         self._finish_step(inp, out, plan, pending)
         return live
@@ -213,7 +214,7 @@ class DraftClient:
                 continue
             tokens = torch.as_tensor(prompt[:start] if not isinstance(prompt, torch.Tensor) else prompt[:start],
                                      dtype=torch.int64).cpu().contiguous()
-            self._send_plain(p.Reconnect(rec.handle, start), [rid], FailureKind.RECONNECT, p.tensor_frame(tokens))
+            self.outbox.send_plain(p.Reconnect(rec.handle, start), [rid], FailureKind.RECONNECT, p.tensor_frame(tokens))
             self.telemetry.count("reconnects")
             rec.length, rec.sent = start, True
         return plan.without(drop) if drop else plan
@@ -257,125 +258,6 @@ class DraftClient:
             self.telemetry.count("capture_records")
 
     # -------------------------------------------------------------- sending
-    def _max_rows(self) -> int:
-        width = self.settings.context_width if self.ships_hidden else 0
-        row_bytes = 8 + width * self.settings.hidden_dtype.itemsize
-        return max(1, (self.caps.max_message_bytes - _HEADER_ROOM) // row_bytes)
-
-    def _row_message(self, slot: Slot, group: np.ndarray, part: layout.Part, inp: StepInput,
-                     handles: np.ndarray, anchor_tokens: np.ndarray | None = None, k: int = 0):
-        """(message, frames, ids) of one part of a group."""
-        reqs = group[part.index] if len(part.index) != len(group) else group
-        cols = [handles[reqs], part.starts, part.counts]
-        if anchor_tokens is not None:
-            cols.append(anchor_tokens[reqs])
-        meta = np.stack(cols, axis=1)
-        rows = part.hi - part.lo
-        frames = [meta.data, slot.token_ids.numpy()[part.lo:part.hi].data]
-        ids = [inp.req_ids[i] for i in reqs.tolist()]
-        if self.ships_hidden and rows > 0:
-            frames.append(p.tensor_frame(slot.hidden[part.lo:part.hi]))
-            kw = {"hidden": p.dtype_name(self.settings.hidden_dtype), "width": self.settings.context_width}
-        else:
-            kw = {}
-        if anchor_tokens is None:
-            return p.Ingest(len(reqs), rows, **kw), frames, ids
-        s = self.settings
-        return p.Propose(k, len(reqs), rows, logits=s.logits, topk=s.topk if s.logits == "topk" else 0,
-                         **kw), frames, ids
-
-    def _messages(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, handles: np.ndarray,
-                  anchor_tokens: np.ndarray | None):
-        """Every message of the step in send order; the last is the propose when there is one."""
-        max_rows = self._max_rows()
-        out = []
-        if plan.ingest.size:
-            out = [self._row_message(slot, plan.ingest, part, inp, handles)
-                   for part in layout.split(plan.starts[plan.ingest], plan.counts[plan.ingest], 0, max_rows)]
-        if plan.propose.size:
-            starts, counts, base = plan.starts[plan.propose], plan.counts[plan.propose], plan.ingest_rows
-            if plan.total_rows - base <= max_rows:
-                last = layout.Part(plan.propose, starts, counts, base, plan.total_rows)
-            else:
-                parts = layout.split(starts, counts, base, max_rows)
-                out += [self._row_message(slot, plan.propose, part, inp, handles) for part in parts[:-1]]
-                last = layout.tail(starts, counts, base, parts[-1].lo)
-            out.append(self._row_message(slot, plan.propose, last, inp, handles, anchor_tokens, inp.k))
-        if len(out) > 1 + bool(plan.propose.size and plan.ingest.size):
-            self.telemetry.count("split_messages", len(out))
-        return out
-
-    def _post_step(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, handles: np.ndarray,
-                   anchor_tokens: np.ndarray) -> Pending | None:
-        pending = None
-        for msg, frames, ids in self._messages(inp, plan, slot, handles, anchor_tokens):
-            pending = self._post_slot(slot, msg, frames, ids)
-            self.telemetry.count("sync_proposals" if type(msg) is p.Propose else "ingest_messages")
-        return pending if plan.propose.size else None
-
-    def _defer(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, event, handles: np.ndarray) -> None:
-        """Hand the step's messages to the sender thread; they leave once the copy is done."""
-        messages = self._messages(inp, plan, slot, handles, None)
-        ids = [rid for _, _, part_ids in messages for rid in part_ids]
-        self.ring.hold(slot)                       # until every message holds it on its own
-
-        def build() -> None:
-            try:
-                for msg, frames, part_ids in messages:
-                    self._post_slot(slot, msg, frames, part_ids)
-            finally:
-                self.ring.release(slot)
-
-        def failed(exc: Exception) -> None:
-            self.book.failures.push(FailureKind.SENDER, ids, f"deferred ingest: {exc}")
-
-        self.sender.submit(SendJob(build, event, failed))
-        self.telemetry.count("deferred_ingests")
-        self.telemetry.count("ingest_messages", len(messages))
-
-    def _post_slot(self, slot: Slot, msg, frames: list, ids: list[str]) -> Pending:
-        """Send frames that view ``slot``; the slot stays held until the reply."""
-        self.ring.hold(slot)
-
-        def settle(item: Pending) -> None:
-            self.ring.release(slot)
-            self._settle(item, ids)
-
-        def abandon(item: Pending, exc: Exception) -> None:
-            self.ring.release(slot)
-            self.ring.retire(slot)               # libzmq may still read it: fresh memory before reuse
-            self.book.failures.push(FailureKind.TRANSPORT, ids, f"{item.op} seq={item.seq}: {exc}")
-
-        conn = self.link.conn
-        try:
-            return conn.post(conn.encode(msg, *frames), on_reply=settle, on_abandon=abandon)
-        except BaseException:
-            self.ring.release(slot)
-            raise
-
-    def _send_plain(self, msg, ids: list[str] = (), kind: FailureKind = FailureKind.REQUEST, *frames) -> Pending:
-        """Send a message that views no slot (frees, reconnects); settled when its reply is read."""
-        def abandon(item: Pending, exc: Exception) -> None:
-            if ids:
-                self.book.failures.push(FailureKind.TRANSPORT, ids, f"{item.op} seq={item.seq}: {exc}")
-        return self.link.conn.send(msg, *frames, keepalive=frames,
-                                   on_reply=lambda item: self._settle(item, list(ids), kind), on_abandon=abandon)
-
-    def _settle(self, item: Pending, ids: list[str], kind: FailureKind = FailureKind.REQUEST) -> None:
-        """Account a reply; queue failures for whole-message or per-request errors."""
-        reply = item.reply
-        self.telemetry.add("reply_age", item.round_trip)
-        if not reply.ok:
-            code, message = reply.error or ("?", "")
-            if code == ErrorCode.NO_SESSION.value:
-                self.link.rehello("the server reclaimed this client's session")
-            self.book.failures.push(FailureKind.MESSAGE if kind is FailureKind.REQUEST else kind, ids,
-                                    f"{item.op}: {code}: {message}")
-            return
-        for i, code, message in reply.failures:
-            if 0 <= i < len(ids):
-                self.book.failures.push(kind, [ids[i]], f"{item.op}: {code}: {message}")
-
     # ------------------------------------------------------------- replies
     def _finish_step(self, inp: StepInput, out: StepOutput, plan: layout.RowPlan, pending: Pending | None) -> None:
         if pending is None:                # an ingest-only step without deferral: wait for it
@@ -456,7 +338,7 @@ class DraftClient:
             self.book.hold_frees(handles, retain)
             return
         try:
-            self._send_plain(p.Free(handles, retain))
+            self.outbox.send_plain(p.Free(handles, retain))
             self.telemetry.count("free_messages")
         except TransportError as exc:
             self.book.hold_frees(handles, retain)

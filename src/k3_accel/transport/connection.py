@@ -27,10 +27,9 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import numpy as np
-import torch
 import zmq
 import zmq.auth
 

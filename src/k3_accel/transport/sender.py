@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
