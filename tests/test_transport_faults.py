@@ -1,0 +1,120 @@
+"""The client under faults: bounded waits, frees that survive an outage, nothing stale kept.
+
+Bounds are asserted as "no later than the bound plus a generous margin" (a
+correct client can be slow on a loaded machine, but never seconds late), and
+every wait for a condition polls with a deadline.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from helpers.clients import client_factory, server  # noqa: F401 (fixtures)
+from helpers.steps import step as rows, wait_until
+
+MARGIN_S = 3.5          # scheduling slack on a busy 2-core box; a 5 s late timeout still fails
+
+
+def test_a_silent_server_costs_a_step_no_more_than_the_timeout(server, client_factory):
+    client = client_factory(server.address, timeout_ms=1000)
+    client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
+    server.pause()
+    try:
+        started = time.monotonic()
+        out = client.step(rows(["a"], [(3, [2])], anchors=[1]))
+        waited = time.monotonic() - started
+    finally:
+        server.resume()
+    assert out.drafts.tolist() == [[-1] * 4] and client.is_disabled("a")
+    assert 1.0 <= waited <= 1.0 + MARGIN_S, waited
+
+
+def test_close_with_work_in_flight_is_bounded_and_leaks_no_slot(server, client_factory):
+    client = client_factory(server.address, timeout_ms=1000, ring_depth=2)
+    client.step(rows(["a"], [(0, list(range(64)))], sampled=[False]))       # deferred
+    server.pause()
+    try:
+        client.step(rows(["a"], [(64, list(range(64)))], sampled=[False]))  # in flight, unanswered
+        started = time.monotonic()
+        client.close()
+        assert time.monotonic() - started <= 1.0 + 2.0 + MARGIN_S          # bye waits 2 s at most
+    finally:
+        server.resume()
+    assert all(slot.holds == 0 for slot in client.ring.slots)
+
+
+def test_frees_queued_during_an_outage_reach_the_server_afterwards(server, client_factory):
+    """70 requests finish while the server is unreachable; once it answers again none of
+    them stays active on it (the client keeps every unsent free, no cap)."""
+    client = client_factory(server.address, timeout_ms=1000)
+    ids = [f"r{i}" for i in range(70)]
+    client.step(rows(ids, [(0, [i, i + 1, i]) for i in range(70)], anchors=[i + 1 for i in range(70)]))
+    client.flush()
+    assert client.server_stats()["active"] == 70
+    server.pause()
+    try:
+        client.step(rows(["probe"], [(0, [1, 2])], anchors=[1]))             # times out: link lost
+        assert client.state.value == "disconnected"
+        client.finish(ids)                                                  # nowhere to send these
+    finally:
+        server.resume()
+    names = iter(range(10 ** 6))
+    assert wait_until(lambda: client.step(rows([f"n{next(names)}"], [(0, [1, 2, 1])], anchors=[2]))
+                      .drafts[0, 0].item() == 1)                            # drafting again
+    client.flush()
+    assert wait_until(lambda: client.server_stats()["active"] <= 1 + 1)     # the probe and the last n
+    stats = client.server_stats()
+    assert stats["retained"] <= 64 and client.book.stats()["unsent_frees"] == 0
+
+
+def test_a_disabled_request_is_not_kept_as_a_reconnect_source(server, client_factory):
+    client = client_factory(server.address)
+    client.step(rows(["bad", "good"], [(0, [5, 6, 7, 5]), (0, [1, 2, 1])], anchors=[6, 2]))
+    client.step(rows(["bad"], [(9, [8])], anchors=[9]))                     # a gap: disabled
+    assert client.is_disabled("bad")
+    client.finish(["bad", "good"])
+    client.flush()
+    stats = client.server_stats()
+    assert stats["active"] == 0 and stats["retained"] == 1                  # only "good" is kept
+
+
+def test_the_sender_thread_failing_fails_closed_like_a_socket(server, client_factory, monkeypatch):
+    client = client_factory(server.address, ring_depth=2)
+    boom = RuntimeError("planted sender failure")
+
+    def post(*args, **kwargs):
+        if threading.current_thread().name == "k3-draft-sender":
+            raise boom
+        return original(*args, **kwargs)
+    original = client.link.conn.post
+    monkeypatch.setattr(client.link.conn, "post", post)
+    assert client.step(rows(["a"], [(0, [1, 2, 3])], sampled=[False])).deferred
+    client.sender.wait_idle(10)
+    out = client.step(rows(["a", "b"], [(3, [1]), (0, [1, 2, 1])], anchors=[2, 2]))
+    assert out.drafts.tolist() == [[-1] * 4, [-1] * 4]                      # the batch failed closed
+    assert client.is_disabled("a")
+    counters = client.stats()["counters"]
+    assert counters["failures.sender"] == 1 and counters["failures.transport"] >= 1
+    monkeypatch.undo()
+    names = iter(range(10 ** 6))
+    assert wait_until(lambda: client.step(rows([f"n{next(names)}"], [(0, [1, 2, 1])], anchors=[2]))
+                      .drafts[0, 0].item() == 1)                            # and it recovers
+
+
+@pytest.mark.parametrize("heartbeat_ms", [200])
+def test_an_idle_client_keeps_its_session_alive_with_heartbeats(client_factory, heartbeat_ms):
+    from helpers.server import ServerProcess
+    srv = ServerProcess("--engine", "ngram", "--lease-s", "1.5")
+    try:
+        client = client_factory(srv.address, heartbeat_ms=heartbeat_ms)
+        client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
+        deadline = time.monotonic() + 4.0                                   # > 2 leases, idle
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+        stats = client.server_stats()
+        assert stats["sessions_reclaimed"] == 0 and stats["active"] == 1
+        assert client.stats()["counters"]["heartbeats"] >= 1
+    finally:
+        srv.stop()
