@@ -60,7 +60,13 @@ def test_missing_vllm_symbol_turns_only_that_hook_off(tmp_path, monkeypatch, cap
 
 
 def test_register_is_cheap():
-    run = _run("import sys, k3_accel.plugin\n"
-               "print('zmq' in sys.modules, 'k3_accel.server' in sys.modules)")
+    """register() installs its hooks without pulling in k3-accel's sockets, server or client
+    (zmq may come with vLLM's own modules, never through ours)."""
+    run = _run("import sys, vllm, k3_accel.plugin as kp\n"
+               "on = kp.register()\n"
+               "heavy = ('k3_accel.transport.connection', 'k3_accel.transport.client', 'k3_accel.server',\n"
+               "         'k3_accel.doctor', 'k3_accel.demo', 'k3_accel.testing')\n"
+               "print(sum(on.values()), sorted(m for m in sys.modules if m.startswith(heavy)))")
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["False", "False"]
+    installed, loaded = run.stdout.strip().split(" ", 1)
+    assert int(installed) >= 2 and loaded == "[]", run.stdout
