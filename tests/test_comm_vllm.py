@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from test_comm_harness import run_ranks  # noqa: E402
+from test_comm_harness import loopback_hooks, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
@@ -106,17 +106,11 @@ def test_custom_op_registered_idempotently_with_fake():
 
 
 # -------------------------------------------------------------- behaviour
-def _setup_overrides(threshold_text, max_bytes=4 * MiB):
-    from k3_accel.comm.eligibility import ProbeResult
-    from k3_accel.comm.loopback import LoopbackDmaRuntime, loopback_planner
-    from k3_accel.comm.router import RouterHooks
+def _setup_overrides(threshold_text, max_bytes=4 * MiB, rank=0, world=2, **hook_kw):
     from k3_accel.comm.threshold import parse_dma_min_bytes
     from k3_accel.vllm.communicator import K3CudaCommunicator, Overrides, Sizing
 
-    hooks = RouterHooks(
-        runtime_cls=LoopbackDmaRuntime, planner=loopback_planner,
-        probe=lambda g, d: ProbeResult(True, "injected"), cache=None,
-    )
+    hooks = loopback_hooks(rank, world, **hook_kw)
     K3CudaCommunicator.overrides = Overrides(
         hooks=hooks,
         sizing=Sizing(max_bytes, ((64 * 2048, torch.float32),), torch.float32),
@@ -126,7 +120,7 @@ def _setup_overrides(threshold_text, max_bytes=4 * MiB):
 
 
 def _comm(rank, world):
-    cls = _setup_overrides("256K")
+    cls = _setup_overrides("256K", rank=rank, world=world)
     group = dist.new_group(backend="gloo")
     comm = cls(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="tp:0")
     res = {"backend": comm.k3_decision.backend, "min": comm.k3_router.dma.min_bytes}
@@ -166,7 +160,7 @@ def test_tp_communicator_routes_and_tears_down():
 
 
 def _other_groups(rank, world):
-    cls = _setup_overrides("256K")
+    cls = _setup_overrides("256K", rank=rank, world=world)
     group = dist.new_group(backend="gloo")
     singles = [dist.new_group([r], backend="gloo") for r in range(world)]
     pp = cls(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="pp:0")
@@ -189,7 +183,7 @@ def test_only_multi_rank_tp_groups_get_a_router():
 
 
 def _off(rank, world, text):
-    cls = _setup_overrides(text)
+    cls = _setup_overrides(text, rank=rank, world=world)
     group = dist.new_group(backend="gloo")
     comm = cls(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="tp:0")
     out = comm.all_reduce(torch.full((256, 1024), float(rank + 1)))
@@ -204,7 +198,7 @@ def test_dma_off_leaves_stock_path_only():
 
 
 def _bad_env(rank, world):
-    cls = _setup_overrides(None)
+    cls = _setup_overrides(None, rank=rank, world=world)
     group = dist.new_group(backend="gloo")
     try:
         cls(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="tp:0")
@@ -225,7 +219,7 @@ def _op(rank, world):
     from k3_accel.vllm import custom_op
     from k3_accel.vllm.communicator import QUALNAME
 
-    cls = _setup_overrides("256K")
+    cls = _setup_overrides("256K", rank=rank, world=world)
     type(current_platform).get_device_communicator_cls = classmethod(lambda c: QUALNAME)
     custom_op.install()
     coord = GroupCoordinator(
