@@ -24,14 +24,16 @@ def _agree(rank, world):
     none = agree(group, None)
     one = agree(group, "boom" if rank == 1 else None)
     two = agree(group, f"bad{rank}" if rank in (1, 2) else None)
-    return none, one, two
+    same = agree(group, "timeout" if rank != 1 else "root cause")
+    return none, one, two, same
 
 
 def test_agree_reports_the_same_reason_everywhere():
     out = run_ranks(_agree, 3)
     assert all(r[0] is None for r in out)
     assert {r[1] for r in out} == {"rank 1: boom"}
-    assert {r[2] for r in out} == {"rank 1: bad1 (and 1 more rank(s))"}
+    assert {r[2] for r in out} == {"rank 1: bad1; rank 2: bad2"}
+    assert {r[3] for r in out} == {"ranks 0,2: timeout; rank 1: root cause"}
 
 
 def _create_with_failure(rank, world):

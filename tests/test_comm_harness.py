@@ -11,6 +11,7 @@ crashed worker.
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import socket
 import traceback
@@ -43,6 +44,7 @@ def _entry(fn, rank, world_size, port, results, args, env):
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
         value = fn(rank, world_size, *args)
+        pickle.dumps(value.value if isinstance(value, ExitNow) else value)  # fail here, not in the feeder
         if isinstance(value, ExitNow):
             results.put((rank, True, value.value))
             results.close()

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .consensus import Outcome, StageHook, describe_error, gather, run_agreed
+from .consensus import Outcome, StageHook, describe_error, describe_failures, gather, run_agreed
 from .crossover import (
     DEFAULT_MARGIN,
     CrossoverCache,
@@ -143,9 +143,9 @@ class _Start:
     def run(self) -> AllReduceRouter:
         # 1. inputs: one exchange; a local failure travels as its reason
         everyone = gather(self.group, _guarded(self.local_inputs))
-        failed = [(rank, err) for rank, (_, err) in enumerate(everyone) if err is not None]
-        if failed:
-            return self.keep_next(f"set-up inputs failed (rank {failed[0][0]}: {failed[0][1]})", failed=True)
+        if any(err is not None for _, err in everyone):
+            why = describe_failures([err for _, err in everyone])
+            return self.keep_next(f"set-up inputs failed ({why})", failed=True)
         if len({value[0] for value, _ in everyone}) != 1:
             return self.keep_next(f"ranks disagree on settings or sizing: {_first_difference(everyone)}", failed=True)
         report = combine_reports([value[1] for value, _ in everyone])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime
 import logging
 from dataclasses import dataclass
-from typing import Callable, Generic, List, Optional, TypeVar
+from typing import Callable, Generic, List, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,16 +57,28 @@ def agree(group, error: Optional[str]) -> Optional[str]:
     """Collective. ``error`` is this rank's failure (None = fine).
 
     Returns None when every rank passed None; otherwise the same text on every
-    rank: the lowest failing rank's reason, prefixed with that rank.
+    rank: each failing rank's reason, ranks with the same reason grouped
+    (``"rank 1: X"``, ``"ranks 0,2: Y; rank 3: Z"``), so the root cause shows
+    next to the peers that merely timed out waiting for it.
     """
     if not any_rank_failed(group, error is not None):
         return None
-    errors: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    failing = [(rank, text) for rank, text in enumerate(errors) if text is not None]
-    rank, text = failing[0]
-    more = f" (and {len(failing) - 1} more rank(s))" if len(failing) > 1 else ""
-    return f"rank {rank}: {text}{more}"
+    return describe_failures(gather(group, error))
+
+
+def describe_failures(errors: Sequence[Optional[str]], limit: int = 3) -> str:
+    """``errors`` in rank order (None = fine) → one line, identical reasons grouped."""
+    by_text: dict = {}
+    for rank, text in enumerate(errors):
+        if text is not None:
+            by_text.setdefault(text, []).append(rank)
+    parts = []
+    for text, ranks in list(by_text.items())[:limit]:
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
+        parts.append(f"{who}: {text}")
+    if len(by_text) > limit:
+        parts.append(f"{len(by_text) - limit} more reason(s)")
+    return "; ".join(parts)
 
 
 def gather(group, value) -> List:
@@ -182,5 +194,6 @@ def bounded_group(group, timeout_s: float):
 
 __all__ = [
     "AgreedError", "Outcome", "StageHook", "agree", "any_rank_failed", "bounded_group",
-    "broadcast_from_first", "create_on_all_ranks", "describe_error", "gather", "run_agreed",
+    "broadcast_from_first", "create_on_all_ranks", "describe_error", "describe_failures", "gather",
+    "run_agreed",
 ]

@@ -275,7 +275,7 @@ def run_auto(
         error = describe_error(exc)
     failure = agree(group, error) if group is not None else error
     if failure is not None:
-        raise AgreedError(f"measurement failed ({failure})")
+        raise AgreedError(failure)
     merged = merge_across_ranks(group, local)
     min_bytes, reason = select_crossover(merged, margin=margin)
     decision = CrossoverDecision(min_bytes, reason, merged, "measured", key)
