@@ -277,3 +277,41 @@ def test_auto_with_a_winning_size_keeps_the_ring(tmp_path):
         assert backend == "B12X_DMA" and min_bytes == 2 * MiB and closed == [False]
         assert "wins from 2 MiB" in reason
         assert min2 == 2 * MiB and source2 == "cache" and rings == 2
+
+
+def _keyed(rank, world, cache_dir):
+    """Which starts measure and which reuse the cache, as the driver and the GPUs change."""
+    from k3_accel.comm.oneshot import OneShotBackend
+
+    group = dist.new_group(backend="gloo")
+
+    def factory(*args):
+        return lambda nbytes: (1e-3, 0.5e-3)
+
+    def start(gpus, report=None):
+        oneshot = None
+        if report is not None:
+            ws = type("W", (), {"supports_all_peer_auxiliary": report})()
+            oneshot = OneShotBackend.from_vllm(
+                type("F", (), {"disabled": False, "workspace": ws, "should_use": lambda self, t: False})())
+        hooks = loopback_hooks(rank, world, gpus=gpus, measure_factory=factory, cache=CrossoverCache(cache_dir))
+        router = build_router(group=group, device=torch.device("cpu"), threshold=DmaThreshold.auto(),
+                              max_bytes=2 * MiB, fallback=lambda t: t, hooks=hooks, oneshot=oneshot)
+        source = router.decision.crossover.source
+        router.close()
+        return source
+
+    base = fake_gpus(rank, world)
+    unidentified = fake_gpus(rank, world, fail_identify=rank == 1)
+    return [
+        start(base), start(base),                                            # first start, then cached
+        start(fake_gpus(rank, world, driver="drv-2")),                       # new driver: measure again
+        start(fake_gpus(rank, world, driver="drv-2")),
+        start(fake_gpus(rank, world, gpu_ids=["GPU-1", "GPU-0"])),           # other GPUs in rank order
+        start(unidentified, report=True), start(unidentified, report=True),  # no topology: never cached
+    ]
+
+
+def test_auto_cache_is_keyed_on_driver_and_topology(tmp_path):
+    out = run_ranks(_keyed, 2, str(tmp_path))
+    assert out[0] == out[1] == ["measured", "cache", "measured", "cache", "measured", "measured", "measured"]
