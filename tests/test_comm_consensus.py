@@ -6,6 +6,7 @@ fake :class:`GpuView` standing in for the CUDA device queries.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -28,8 +29,8 @@ def _agree(rank, world):
     return none, one, two, same
 
 
-def test_agree_reports_the_same_reason_everywhere():
-    out = run_ranks(_agree, 3)
+def test_agree_reports_the_same_reason_everywhere(three):
+    out = [r["agree"] for r in three]
     assert all(r[0] is None for r in out)
     assert {r[1] for r in out} == {"rank 1: boom"}
     assert {r[2] for r in out} == {"rank 1: bad1; rank 2: bad2"}
@@ -51,8 +52,8 @@ def _create_with_failure(rank, world):
     return created.ok, created.failure, len(abandoned), t.tolist()
 
 
-def test_one_rank_failing_init_keeps_every_rank_off():
-    out = run_ranks(_create_with_failure, 3)
+def test_one_rank_failing_init_keeps_every_rank_off(three):
+    out = [r["create"] for r in three]
     assert [o[0] for o in out] == [False, False, False]
     assert all("rank 1" in o[1] and "injected init_after_exchange" in o[1] for o in out)
     assert [o[2] for o in out] == [1, 0, 1]        # ranks that built one release it locally
@@ -60,6 +61,7 @@ def test_one_rank_failing_init_keeps_every_rank_off():
 
 
 def _build(rank, world, mode, fail_ranks, probe_kind, report):
+    held0 = LoopbackDmaRuntime.held_bytes        # earlier cases in this process may have leaked
     group = dist.new_group(backend="gloo")
     runtime_cls = LoopbackDmaRuntime.failing_on(fail_ranks) if fail_ranks else LoopbackDmaRuntime
     asked = []
@@ -103,7 +105,7 @@ def _build(rank, world, mode, fail_ranks, probe_kind, report):
         "probed": len(asked),
         "prepared": router.decision.prepared_sizes,
         "workspace": router.decision.workspace_bytes,
-        "held": LoopbackDmaRuntime.held_bytes,
+        "held": LoopbackDmaRuntime.held_bytes - held0,
     }
     if router.dma is not None:
         big = torch.full((256, 1024), float(rank + 1))       # 1 MiB fp32
@@ -116,12 +118,12 @@ def _build(rank, world, mode, fail_ranks, probe_kind, report):
         runtime = router.dma.runtime
         result["close"] = router.close()
         result["closed"] = runtime.closed
-        result["held_after_close"] = LoopbackDmaRuntime.held_bytes
+        result["held_after_close"] = LoopbackDmaRuntime.held_bytes - held0
     return result
 
 
-def test_fixed_threshold_routes_through_ring_and_closes_collectively():
-    out = run_ranks(_build, 2, "fixed", (), "ok", None)
+def test_fixed_threshold_routes_through_ring_and_closes_collectively(two):
+    out = [r["build"]["fixed"] for r in two]
     for r in out:
         assert r["backend"] == "B12X_DMA" and r["min"] == 64 * 1024
         assert r["prepared"] == 1                 # 512 KiB capture size yes, 4 KiB no
@@ -133,37 +135,37 @@ def test_fixed_threshold_routes_through_ring_and_closes_collectively():
         assert r["workspace"] == r["held"] > 2 * MiB and r["held_after_close"] == 0
 
 
-def test_off_never_builds_or_probes():
-    out = run_ranks(_build, 2, "off", (), "ok", None)
+def test_off_never_builds_or_probes(two):
+    out = [r["build"]["off"] for r in two]
     assert all(r["backend"] == "NCCL" and r["probed"] == 0 and r["min"] is None for r in out)
 
 
-def test_init_failure_on_one_rank_keeps_nccl_on_all():
-    out = run_ranks(_build, 2, "fixed", (1,), "ok", None)
+def test_init_failure_on_one_rank_keeps_nccl_on_all(two):
+    out = [r["build"]["init-fails"] for r in two]
     assert all(r["backend"] == "NCCL" and r["min"] is None and r["failed"] for r in out)
     assert all("initialisation failed" in r["reason"] and "rank 1" in r["reason"] for r in out)
 
 
-def test_fail_closed_without_a_report():
-    out = run_ranks(_build, 2, "fixed", (), "fail", None)
+def test_fail_closed_without_a_report(two):
+    out = [r["build"]["no-p2p"] for r in two]
     assert all(r["backend"] == "NCCL" and "no peer access from rank" in r["reason"] for r in out)
     assert not any(r["failed"] for r in out)          # a rule, not a fault
 
 
-def test_explicit_false_report_vetoes_even_a_passing_probe():
-    out = run_ranks(_build, 2, "fixed", (), "ok", False)
+def test_explicit_false_report_vetoes_even_a_passing_probe(two):
+    out = [r["build"]["false-report"] for r in two]
     assert all(r["backend"] == "FLASHINFER_PCIE_IPC" and r["probed"] == 0 for r in out)
     assert all("reports no all-peer" in r["reason"] for r in out)
 
 
-def test_true_report_allows_even_a_failing_probe():
-    out = run_ranks(_build, 2, "fixed", (), "fail", True)
+def test_true_report_allows_even_a_failing_probe(two):
+    out = [r["build"]["true-report"] for r in two]
     assert all(r["backend"] == "FLASHINFER_PCIE_IPC_B12X_DMA" for r in out)
     assert all("runtime reports all-peer connectivity" in r["reason"] for r in out)
 
 
-def test_real_probe_fails_closed_when_peers_are_invisible():
-    out = run_ranks(_build, 2, "fixed", (), "real-fail", None)
+def test_real_probe_fails_closed_when_peers_are_invisible(two):
+    out = [r["build"]["invisible"] for r in two]
     assert all(r["backend"] == "NCCL" and "not visible" in r["reason"] for r in out)
 
 
@@ -184,8 +186,8 @@ def _probe(rank, world):
     return out
 
 
-def test_probe_rule_on_three_ranks():
-    out = run_ranks(_probe, 3)
+def test_probe_rule_on_three_ranks(three):
+    out = [r["probe"] for r in three]
     for case, ok in (("one-node", True), ("two-nodes", False), ("no-p2p", False),
                      ("shared-gpu", False), ("unidentified", False)):
         assert [o[case][0] for o in out] == [ok] * 3, case
@@ -198,8 +200,8 @@ def test_probe_rule_on_three_ranks():
     assert "rank 1" in out[0]["unidentified"][1] and out[0]["unidentified"][2] == ()
 
 
-def test_probe_refuses_a_cpu_device():
-    assert run_ranks(_probe_cpu, 2) == [False, False]
+def test_probe_refuses_a_cpu_device(two):
+    assert [r["probe-cpu"] for r in two] == [False, False]
 
 
 def _probe_cpu(rank, world):
@@ -225,13 +227,13 @@ def _auto(rank, world, cache_dir):
             [s.dma_s for s in first.samples])
 
 
-def test_auto_merges_ranks_and_caches(tmp_path):
-    out = run_ranks(_auto, 2, str(tmp_path))
+def test_auto_merges_ranks_and_caches(two, cache_root):
+    out = [r["auto"] for r in two]
     assert all(o[0] is None for o in out)
     assert {o[1] for o in out} == {32 * MiB}            # slowest rank decides
     assert all(o[2] == "measured" and o[3] == 32 * MiB and o[4] == "cache" for o in out)
     assert out[0][5] == out[1][5]                        # identical merged tables
-    assert len(list(tmp_path.glob("dma-crossover-*.json"))) == 1
+    assert len(list((cache_root / "auto").glob("dma-crossover-*.json"))) == 1
 
 
 def _auto_router(rank, world, winning, cache_dir):
@@ -243,27 +245,27 @@ def _auto_router(rank, world, winning, cache_dir):
         return measure
 
     hooks = loopback_hooks(rank, world, measure_factory=factory, cache=CrossoverCache(cache_dir))
+    first, held0 = len(LoopbackDmaRuntime.instances), LoopbackDmaRuntime.held_bytes
     router = build_router(
         group=group, device=torch.device("cpu"), threshold=DmaThreshold.auto(), max_bytes=8 * MiB,
         fallback=lambda t: t, hooks=hooks,
     )
-    instances = LoopbackDmaRuntime.instances
-    closed = [inst.closed for inst in instances]
+    closed = [inst.closed for inst in LoopbackDmaRuntime.instances[first:]]
     res = (router.backend_name, router.dma_min_bytes, router.decision.reason, closed,
-           LoopbackDmaRuntime.held_bytes if not winning else None)
+           LoopbackDmaRuntime.held_bytes - held0 if not winning else None)
     router.close()
     # a second start on the same host: the cached decision is used
     again = build_router(
         group=group, device=torch.device("cpu"), threshold=DmaThreshold.auto(), max_bytes=8 * MiB,
         fallback=lambda t: t, hooks=hooks,
     )
-    res += (again.dma_min_bytes, again.decision.crossover.source, len(LoopbackDmaRuntime.instances))
+    res += (again.dma_min_bytes, again.decision.crossover.source, len(LoopbackDmaRuntime.instances) - first)
     again.close()
     return res
 
 
-def test_auto_without_a_winning_size_releases_the_ring(tmp_path):
-    out = run_ranks(_auto_router, 2, False, str(tmp_path))
+def test_auto_without_a_winning_size_releases_the_ring(two):
+    out = [r["auto-never"] for r in two]
     for backend, min_bytes, reason, closed, held, min2, source2, rings in out:
         assert backend == "NCCL" and min_bytes is None
         assert reason.startswith("auto (measured)") and "never wins" in reason
@@ -271,8 +273,8 @@ def test_auto_without_a_winning_size_releases_the_ring(tmp_path):
         assert min2 is None and source2 == "cache" and rings == 1   # no second ring allocated
 
 
-def test_auto_with_a_winning_size_keeps_the_ring(tmp_path):
-    out = run_ranks(_auto_router, 2, True, str(tmp_path))
+def test_auto_with_a_winning_size_keeps_the_ring(two):
+    out = [r["auto-wins"] for r in two]
     for backend, min_bytes, reason, closed, held, min2, source2, rings in out:
         assert backend == "B12X_DMA" and min_bytes == 2 * MiB and closed == [False]
         assert "wins from 2 MiB" in reason
@@ -312,6 +314,50 @@ def _keyed(rank, world, cache_dir):
     ]
 
 
-def test_auto_cache_is_keyed_on_driver_and_topology(tmp_path):
-    out = run_ranks(_keyed, 2, str(tmp_path))
+def test_auto_cache_is_keyed_on_driver_and_topology(two):
+    out = [r["keyed"] for r in two]
     assert out[0] == out[1] == ["measured", "cache", "measured", "cache", "measured", "measured", "measured"]
+
+
+# ------------------------------------------------------------ the groups
+# Spawning a group costs seconds on a 2-core CI box, so each group size is
+# spawned once per module and runs every case in a row; the tests read their part.
+BUILD_CASES = {
+    "fixed": ("fixed", (), "ok", None),
+    "off": ("off", (), "ok", None),
+    "init-fails": ("fixed", (1,), "ok", None),
+    "no-p2p": ("fixed", (), "fail", None),
+    "false-report": ("fixed", (), "ok", False),
+    "true-report": ("fixed", (), "fail", True),
+    "invisible": ("fixed", (), "real-fail", None),
+}
+
+
+def _all_two(rank, world, root):
+    return {
+        "build": {name: _build(rank, world, *args) for name, args in BUILD_CASES.items()},
+        "probe-cpu": _probe_cpu(rank, world),
+        "auto": _auto(rank, world, f"{root}/auto"),
+        "auto-never": _auto_router(rank, world, False, f"{root}/never"),
+        "auto-wins": _auto_router(rank, world, True, f"{root}/wins"),
+        "keyed": _keyed(rank, world, f"{root}/keyed"),
+    }
+
+
+def _all_three(rank, world):
+    return {"agree": _agree(rank, world), "create": _create_with_failure(rank, world), "probe": _probe(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("crossover")
+
+
+@pytest.fixture(scope="module")
+def two(cache_root):
+    return run_ranks(_all_two, 2, str(cache_root))
+
+
+@pytest.fixture(scope="module")
+def three():
+    return run_ranks(_all_three, 3)

@@ -114,8 +114,8 @@ def _setup_faults(rank, world):
     return out
 
 
-def test_comm_fault_engine_hook_never_raises_and_logs_one_line():
-    out = run_ranks(_setup_faults, 2, env=ENV, timeout=600)
+def test_comm_fault_engine_hook_never_raises_and_logs_one_line(engine):
+    out = [r["setup"] for r in engine]
     needles = {
         "sizing": "k3-accel set-up failed (rank 1: RuntimeError: injected: sizing failed)",
         "allocation": "rank 1: RuntimeError: loopback: injected init_before_exchange on rank 1",
@@ -155,12 +155,13 @@ def _sleep(rank, world):
     comm, raised, _ = _make(rank, world, lines.lines)
     ring = comm.k3_router.dma.runtime
     workspace = comm.k3_decision.workspace_bytes
-    held = [LoopbackDmaRuntime.held_bytes]
+    base = LoopbackDmaRuntime.held_bytes - workspace   # earlier cases in this process may have leaked
+    held = [LoopbackDmaRuntime.held_bytes - base]
     seconds = [timed(comm.suspend)]
-    held.append(LoopbackDmaRuntime.held_bytes)
+    held.append(LoopbackDmaRuntime.held_bytes - base)
     suspended_router = comm.k3_router is not None and comm.k3_router.dma is None
     seconds.append(timed(comm.resume))
-    held.append(LoopbackDmaRuntime.held_bytes)
+    held.append(LoopbackDmaRuntime.held_bytes - base)
     new_ring = comm.k3_router.dma.runtime
     calls = new_ring.calls
     ok = _sum(comm, rank, world)
@@ -168,7 +169,7 @@ def _sleep(rank, world):
                         new_ring=new_ring is not ring, suspended_router=suspended_router, sum_ok=ok,
                         ring_calls=new_ring.calls - calls)
     comm.destroy()
-    out["cycle"]["held_after_destroy"] = LoopbackDmaRuntime.held_bytes
+    out["cycle"]["held_after_destroy"] = LoopbackDmaRuntime.held_bytes - base
 
     # a CUDA graph on one rank captured the ring: every rank keeps it
     comm, raised, _ = _make(rank, world, lines.lines)
@@ -184,17 +185,18 @@ def _sleep(rank, world):
 
     # the rebuild fails on one rank: every rank goes stock
     comm, raised, _ = _make(rank, world, lines.lines)
+    base = LoopbackDmaRuntime.held_bytes - comm.k3_decision.workspace_bytes
     comm.k3_router.ring.runtime_cls = LoopbackDmaRuntime.with_faults(init_before_exchange={1})
     comm.suspend()
     seconds = timed(comm.resume)
     out["resume-fails"] = dict(router=comm.k3_router is None, seconds=seconds, sum_ok=_sum(comm, rank, world),
-                               held=LoopbackDmaRuntime.held_bytes)
+                               held=LoopbackDmaRuntime.held_bytes - base)
     comm.destroy()
     return out
 
 
-def test_comm_fault_sleep_mode_releases_and_restores_the_ring():
-    out = run_ranks(_sleep, 2, env=ENV, timeout=600)
+def test_comm_fault_sleep_mode_releases_and_restores_the_ring(engine):
+    out = [r["sleep"] for r in engine]
     for r in out:
         c = r["cycle"]
         assert c["raised"] is None and c["workspace"] > 2 * MiB
@@ -209,6 +211,16 @@ def test_comm_fault_sleep_mode_releases_and_restores_the_ring():
         assert f["router"] and f["sum_ok"] and f["held"] == 0 and f["seconds"] < BOUND_S
     lines = out[0]["captured"]["lines"]
     assert any("kept: CUDA graphs were captured through it" in text for _, text in lines), lines
+
+
+def _engine(rank, world):
+    return {"setup": _setup_faults(rank, world), "sleep": _sleep(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The set-up and sleep cases, in one spawned group (importing vLLM costs seconds per child)."""
+    return run_ranks(_engine, 2, env=ENV, timeout=600)
 
 
 # -------------------------------------------------------------- teardown

@@ -147,7 +147,8 @@ class _Start:
             why = describe_failures([err for _, err in everyone])
             return self.keep_next(f"set-up inputs failed ({why})", failed=True)
         if len({value[0] for value, _ in everyone}) != 1:
-            return self.keep_next(f"ranks disagree on settings or sizing: {_first_difference(everyone)}", failed=True)
+            why = _first_difference(everyone)
+            return self.keep_next(f"ranks disagree on settings or sizing: {why}", failed=True)
         report = combine_reports([value[1] for value, _ in everyone])
         refusal = self.refusal(report)
         if refusal is not None:
@@ -207,7 +208,8 @@ class _Start:
         warmed = ring.warm(dma)
         if not warmed.ok:
             ring.release(dma)
-            return self.keep_next(f"preparing capture sizes failed ({warmed.failure})", crossover, failed=True)
+            why = warmed.failure
+            return self.keep_next(f"preparing capture sizes failed ({why})", crossover, failed=True)
 
         router = AllReduceRouter(
             fallback=self.fallback, oneshot=self.oneshot, dma=dma, next_name=self.next_name, ring=ring

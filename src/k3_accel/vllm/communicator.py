@@ -131,19 +131,22 @@ def setup_router(comm, stock: Callable[[torch.Tensor], torch.Tensor], overrides:
     other failure is agreed and returns stock behaviour with its reason.
     """
     group = comm.cpu_group
-    vllm_config = _current_vllm_config()
-    cfg: Optional[K3Config] = None
-    error = None
+    vllm_config = cfg = None
+    invalid = early = None  # an invalid setting; any other failure before the first exchange
     try:
+        vllm_config = _current_vllm_config()
         cfg = from_vllm(vllm_config)
     except ConfigError as exc:
-        error = str(exc)
-    invalid = agree(group, error)
+        invalid = str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported through the agreed stage below
+        early = exc
+    invalid = agree(group, invalid)
     if invalid is not None:
         raise ConfigError(invalid)
-    assert cfg is not None
 
     def local():
+        if early is not None or cfg is None:
+            raise early or RuntimeError("no settings")
         threshold = overrides.threshold or cfg.dma_min_bytes
         sizing = overrides.sizing or sizing_from_vllm_config(vllm_config)
         oneshot = OneShotBackend.from_vllm(getattr(comm, "fi_pcie_ipc_ar_comm", None), run=stock)
@@ -152,8 +155,9 @@ def setup_router(comm, stock: Callable[[torch.Tensor], torch.Tensor], overrides:
     hooks = overrides.hooks
     inputs = run_agreed(group, local, stage="adapter", hook=hooks.on_stage if hooks else None)
     if not inputs.ok:
-        threshold = overrides.threshold or cfg.dma_min_bytes
+        threshold = overrides.threshold or (cfg.dma_min_bytes if cfg is not None else "?")
         return None, _stock_decision(str(threshold), cfg, f"k3-accel set-up failed ({inputs.failure})")
+    assert cfg is not None
     threshold, sizing, oneshot, hooks = inputs.value
     router = build_router(
         group=group, device=comm.device, threshold=threshold, max_bytes=sizing.max_bytes,
@@ -210,7 +214,8 @@ def _define() -> type:
                 raise
             except Exception as exc:  # noqa: BLE001 - e.g. a peer died mid set-up: stay stock
                 self.k3_router = None
-                self.k3_decision = _stock_decision("?", None, f"k3-accel set-up failed ({describe_error(exc)})")
+                why = f"k3-accel set-up failed ({describe_error(exc)})"
+                self.k3_decision = _stock_decision("?", None, why)
             decision = self.k3_decision
             if int(getattr(self, "rank_in_group", 0)) == 0:
                 level = logging.WARNING if decision.failed else logging.INFO
