@@ -9,14 +9,13 @@ bounded group with a 3 s timeout, so a peer that never arrives costs 3 s.
 """
 from __future__ import annotations
 
-import logging
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from test_comm_harness import ExitNow, fake_gpus, loopback_hooks, run_ranks
+from test_comm_harness import fake_gpus, loopback_hooks, run_ranks
 
 from k3_accel.comm.build import STAGES, build_router
 from k3_accel.comm.crossover import MiB, CrossoverCache
@@ -154,10 +153,8 @@ def _check_sweep(out, points, faulty, world):
         assert cases[0]["failed"] == (not point.startswith(("probe:", "report:"))), point
 
 
-def test_comm_fault_every_setup_stage_on_one_of_two_ranks():
-    points = STAGE_POINTS + OTHER_POINTS
-    out = run_ranks(_sweep, 2, points, 1, timeout=600)
-    _check_sweep(out, points, 1, 2)
+def test_comm_fault_every_setup_stage_on_one_of_two_ranks(two):
+    _check_sweep([r["sweep"] for r in two], STAGE_POINTS + OTHER_POINTS, 1, 2)
 
 
 def test_comm_fault_setup_before_and_after_the_exchanges_on_one_of_four_ranks():
@@ -182,11 +179,8 @@ def _cache_faults(rank, world, good_dir, bad_dir):
     return out
 
 
-def test_comm_fault_unwritable_cache_keeps_the_decision(tmp_path):
-    bad = tmp_path / "a-file"
-    bad.write_text("not a directory")
-    out = run_ranks(_cache_faults, 2, str(tmp_path / "cache"), str(bad))
-    for r in out:
+def test_comm_fault_unwritable_cache_keeps_the_decision(two):
+    for r in [r["cache"] for r in two]:
         assert r["unwritable"] == ("B12X_DMA", RING_MIN, "measured") and r["unwritable-again"] == "measured"
         assert r["writable"] == ("B12X_DMA", RING_MIN, "measured") and r["writable-again"] == "cache"
 
@@ -212,8 +206,8 @@ def _teardown(rank, world, faulty):
     return out
 
 
-def test_comm_fault_teardown_never_hangs_and_never_raises():
-    out = run_ranks(_teardown, 2, 1)
+def test_comm_fault_teardown_never_hangs_and_never_raises(two):
+    out = [r["teardown"] for r in two]
     for case in ("close_before_barrier", "close_after_barrier", "absent"):
         cases = [r[case] for r in out]
         assert all(c["routed"] for c in cases), case
@@ -224,3 +218,19 @@ def test_comm_fault_teardown_never_hangs_and_never_raises():
         assert cases[0]["error"] is not None                      # its peer gave up waiting
         if case != "absent":
             assert "injected" in cases[1]["error"]
+
+
+# ----------------------------------------------------------- two ranks
+def _two(rank, world, good_dir, bad_dir):
+    return {"sweep": _sweep(rank, world, STAGE_POINTS + OTHER_POINTS, 1),
+            "cache": _cache_faults(rank, world, good_dir, bad_dir),
+            "teardown": _teardown(rank, world, 1)}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """Every two-rank case in one spawned group (a spawn costs seconds on a 2-core box)."""
+    root = tmp_path_factory.mktemp("faults")
+    bad = root / "a-file"
+    bad.write_text("not a directory")     # rank 0's cache directory cannot be created
+    return run_ranks(_two, 2, str(root / "cache"), str(bad), timeout=600)
