@@ -157,11 +157,36 @@ def test_comm_fault_every_setup_stage_on_one_of_two_ranks(two):
     _check_sweep([r["sweep"] for r in two], STAGE_POINTS + OTHER_POINTS, 1, 2)
 
 
+FOUR_POINTS = ("inputs:start", "ring:start", "runtime:init_before_exchange", "runtime:init_after_exchange",
+               "probe:identify", "probe:peer-check", "capture:start", "capture:end", "report:mixed")
+
+
+def _four(rank, world):
+    return {"sweep": _sweep(rank, world, FOUR_POINTS, 2), "tp-pairs": _tp_pairs(rank, world)}
+
+
+def _tp_pairs(rank, world):
+    """Two TP groups of two inside a world of four (as with PP or DP = 2): each builds its own
+    ring, at the same time, over its own bounded exchange group; rank 3 fails its ring."""
+    pairs = [[0, 1], [2, 3]]
+    groups = [dist.new_group(ranks, backend="gloo") for ranks in pairs]   # every rank creates both, like vLLM
+    mine = groups[rank // 2]
+    faulty = LoopbackDmaRuntime.with_faults(init_before_exchange={1})     # group rank 1 of the second pair
+    hooks = loopback_hooks(rank % 2, 2, runtime_cls=faulty if rank >= 2 else LoopbackDmaRuntime)
+    router = build_router(group=mine, device=torch.device("cpu"), threshold=DmaThreshold.at(RING_MIN),
+                          max_bytes=4 * MiB, fallback=lambda t: _gloo_sum(t, mine), hooks=hooks)
+    total = router.all_reduce(torch.full((256, 1024), float(rank + 1)))[0, 0].item()
+    result = (router.decision.backend, router.decision.failed, total)
+    router.close()
+    return result
+
+
 def test_comm_fault_setup_before_and_after_the_exchanges_on_one_of_four_ranks():
-    points = ("inputs:start", "ring:start", "runtime:init_before_exchange", "runtime:init_after_exchange",
-              "probe:identify", "probe:peer-check", "capture:start", "capture:end", "report:mixed")
-    out = run_ranks(_sweep, 4, points, 2, timeout=600)
-    _check_sweep(out, points, 2, 4)
+    out = run_ranks(_four, 4, timeout=600)
+    _check_sweep([r["sweep"] for r in out], FOUR_POINTS, 2, 4)
+    pairs = [r["tp-pairs"] for r in out]
+    assert pairs[0] == pairs[1] == ("B12X_DMA", False, 3.0)          # ranks 1 + 2, through the ring
+    assert pairs[2] == pairs[3] == ("NCCL", True, 7.0)               # ranks 3 + 4, the fault kept NCCL
 
 
 # ---------------------------------------------------------------- cache

@@ -17,8 +17,8 @@ all ranks agree even when their file systems differ.
 
 The measurement is an injected function ``measure(nbytes) -> (next_s, dma_s)``;
 :func:`make_event_measure` is the real one (CUDA events, median). It allocates
-its buffer when it is made, so the timing loop itself allocates nothing and a
-rank cannot fail alone half-way through the ring's collectives.
+its input buffer when it is made (an agreed stage), so a rank is unlikely to
+fail alone half-way through the ring's collectives for want of memory.
 """
 from __future__ import annotations
 
@@ -316,7 +316,7 @@ def make_event_measure(
     data = torch.empty(int(max_bytes) // itemsize, device=device, dtype=dtype).uniform_(-1.0, 1.0)
 
     def measure(nbytes: int) -> Tuple[float, float]:
-        x = data[: nbytes // itemsize]
+        x = data[: nbytes // itemsize].uniform_(-1.0, 1.0)  # fresh values: an in-place backend grows them
         for _ in range(warmup):
             next_fn(x)
             dma_fn(x)

@@ -206,8 +206,9 @@ class DmaBackend:
     def prepare(self, plan: Iterable[PlanKey], buffer: Optional[torch.Tensor] = None) -> int:
         """Collective: materialise plans for ``plan``'s sizes (from :meth:`capture_plan`) before capture.
 
-        Each size runs once on a slice of ``buffer`` (see :meth:`warmup_buffer`), so
-        nothing is allocated between the ring's collectives. Returns the count.
+        Each size runs once on a slice of ``buffer`` (see :meth:`warmup_buffer`), so the
+        inputs are allocated before the first ring call, not between them (each call
+        still allocates its small output). Returns the count.
         """
         plan = list(plan)
         if buffer is None:
