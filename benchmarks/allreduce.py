@@ -9,8 +9,8 @@ collected over interleaved rounds so drift hits every backend alike. Backends:
 * ``nccl``   — ``torch.distributed.all_reduce`` in place (pure NCCL, no copy);
 * ``dma``    — b12x ``DmaAllReduce`` through :class:`DmaBackend` (eager and
   CUDA-graph replay);
-* ``router`` — :func:`build_router` with ``VLLM_PCIE_DMA_MIN_BYTES=auto``
-  (measured crossover), NCCL as the next backend;
+* ``router`` — :func:`build_router` with ``dma_min_bytes=auto`` (measured
+  crossover), NCCL as the next backend;
 * ``stock``  — what stock vLLM would use. vLLM is not installed on the GPU
   machine, so this is NCCL (stock's custom all-reduce / symmetric-memory
   paths could not be timed there); the column is kept so the JSON says so.
@@ -129,8 +129,8 @@ def main() -> int:
         return 0
 
     from k3_accel.comm.crossover import CrossoverCache
+    from k3_accel.comm.build import RouterHooks, build_router
     from k3_accel.comm.dma import DmaBackend
-    from k3_accel.comm.router import RouterHooks, build_router
     from k3_accel.comm.threshold import DmaThreshold
 
     rank, world, device, gloo = init_torchrun()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import k3_accel.comm.dma as dma_mod
@@ -15,9 +16,10 @@ from k3_accel.comm.crossover import (
     ladder_sizes,
     select_crossover,
 )
-from k3_accel.comm.dma import DmaBackend, ring_workspace_bytes
+from k3_accel.comm.dma import DmaBackend
 from k3_accel.comm.eligibility import (
     ProbeResult,
+    combine_reports,
     decide_capability,
     runtime_report,
     tensor_fits_ring,
@@ -190,9 +192,26 @@ def test_capture_declines_unprepared_sizes(monkeypatch):
 
 def test_prepare_skips_sizes_the_ring_cannot_take():
     dma = make_dma(min_bytes=0, max_bytes=4 * MiB)
-    assert dma.prepare([(10, torch.bfloat16), (8 * MiB, torch.bfloat16), (16, torch.int32), (0, torch.float32)]) == 0
-    assert dma.prepare([(1024, torch.float32), (1024, torch.float32)]) == 1
-    assert dma.runtime.calls == [(1024, torch.float32)]
+    bad = [(10, torch.bfloat16), (8 * MiB, torch.bfloat16), (16, torch.int32), (0, torch.float32)]
+    assert dma.capture_plan(bad) == [] and dma.prepare(dma.capture_plan(bad)) == 0
+    plan = dma.capture_plan([(1024, torch.float32), (1024, torch.float32), (4096, torch.bfloat16)])
+    assert plan == [(1024, torch.float32), (4096, torch.bfloat16)]
+    assert dma.prepare(plan) == 2
+    assert dma.runtime.calls == [(1024, torch.float32), (4096, torch.bfloat16)]
+    assert dma.capture_plan([(1024, torch.float32)]) == []            # already prepared
+
+
+def test_a_ring_kept_out_of_graphs_declines_every_size_during_capture(monkeypatch):
+    dma = make_dma(min_bytes=1 * MiB)
+    dma.capturable = False
+    router = AllReduceRouter(fallback=lambda t: t, dma=dma)
+    big = bf16(4 * MiB)
+    assert router.prepare_capture([(big.numel(), torch.bfloat16)]) == 0    # nothing prepared
+    router.all_reduce(big)                                                 # eager: ring, plan ready
+    monkeypatch.setattr(dma_mod, "_capturing", lambda device: True)
+    assert router.choose(big) == "next" and not dma.captured
+    dma.capturable = True
+    assert router.choose(big) == "dma" and dma.captured                    # a graph now holds it
 
 
 def test_plans_are_keyed_by_numel_and_dtype():
@@ -214,15 +233,40 @@ def test_plans_are_keyed_by_numel_and_dtype():
 def test_close_is_idempotent_and_router_close_closes_ring():
     dma = make_dma()
     router = AllReduceRouter(fallback=lambda t: t, dma=dma)
-    router.close()
-    router.close()
+    assert router.close() is None
+    assert router.close() is None
     assert dma.runtime.closed == 1 and router.dma is None and dma.closed
 
 
-def test_workspace_bytes_matches_b12x_layout():
-    dma = make_dma(max_bytes=22 * MiB, world_size=2)
-    assert dma.workspace_bytes == 256 * 128 + 2 * 1 * (11 * MiB)
-    assert ring_workspace_bytes(22 * MiB, 4) == 256 * 128 + 6 * (-(-(22 * MiB // 4) // 256) * 256)
+def test_a_failing_close_is_abandoned_not_raised(caplog):
+    dma = make_dma()
+
+    def broken():
+        raise RuntimeError("peer gone")
+
+    dma.runtime.close = broken
+    router = AllReduceRouter(fallback=lambda t: t, dma=dma)
+    assert "peer gone" in router.close()
+    assert dma.closed and router.dma is None
+    assert any("leaked" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("max_bytes", [1000, 22 * MiB, 22 * MiB + 3])
+def test_workspace_covers_what_a_ring_must_hold(world, max_bytes):
+    """Each rank keeps 2(N-1) shards of ceil(max/N) bytes in flight; the report never
+    claims less, grows with the ring, and follows the runtime's own shard size."""
+    runtime = RecordingRuntime(world_size=world, max_bytes=max_bytes)
+    del runtime.shard_capacity                                 # no report: the estimate
+    dma = DmaBackend(runtime, world_size=world, planner=planner)
+    need = 2 * (world - 1) * -(-max_bytes // world)
+    assert need <= dma.workspace_bytes <= need + 64 * 1024 + 2 * (world - 1) * 256
+    bigger = DmaBackend(RecordingRuntime(world_size=world, max_bytes=2 * max_bytes), world_size=world, planner=planner)
+    assert bigger.workspace_bytes >= dma.workspace_bytes
+    reported = RecordingRuntime(world_size=world, max_bytes=max_bytes)
+    reported.shard_capacity = 1 << 20
+    held = DmaBackend(reported, world_size=world, planner=planner).workspace_bytes
+    assert 2 * (world - 1) * (1 << 20) <= held < 2 * (world - 1) * (1 << 20) + 64 * 1024
 
 
 # -------------------------------------------------------------- eligibility
@@ -244,6 +288,15 @@ def test_capability_rule():
     assert not decide_capability(None, bad).capable
     assert not decide_capability(None, None).capable            # nothing said: no DMA
     assert "no P2P" in decide_capability(None, bad).reason
+
+
+def test_reports_combine_fail_closed():
+    assert combine_reports([True, True, True]) is True
+    assert combine_reports([True, None, True]) is None          # one rank without a report
+    assert combine_reports([True, False, True]) is False        # any explicit False forbids
+    assert combine_reports([None, False]) is False
+    assert combine_reports([None, None]) is None
+    assert combine_reports([]) is None
 
 
 def test_oneshot_report_reads_the_workspace():
@@ -319,3 +372,14 @@ def test_cache_round_trip(tmp_path):
     assert cache_key({**fields, "torch": "y"}) != key
     path.write_text("{not json")
     assert cache.load(key) is None
+
+
+def test_cache_key_covers_world_size_topology_and_driver():
+    from k3_accel.comm.crossover import environment_fields
+
+    topology = (1, (("H200", "GPU-a"), ("H200", "GPU-b")))
+    base = cache_key(environment_fields(2, topology, ("570.1", "570.1")))
+    assert base == cache_key(environment_fields(2, topology, ("570.1", "570.1")))
+    assert base != cache_key(environment_fields(4, topology, ("570.1", "570.1")))
+    assert base != cache_key(environment_fields(2, (1, (("H200", "GPU-a"), ("H200", "GPU-c"))), ("570.1", "570.1")))
+    assert base != cache_key(environment_fields(2, topology, ("575.2", "575.2")))

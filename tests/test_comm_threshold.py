@@ -1,4 +1,4 @@
-"""Parsing VLLM_PCIE_DMA_MIN_BYTES."""
+"""Parsing the dma_min_bytes setting (its sources live in k3_accel.config)."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from k3_accel.comm.threshold import (
-    ENV_VAR,
+    SETTING,
     DmaThreshold,
     DmaThresholdError,
     format_bytes,
@@ -55,7 +55,7 @@ def test_bad_values_raise_a_clear_typed_error(text):
         parse_dma_min_bytes(text)
     err = info.value
     assert isinstance(err, ValueError)
-    assert ENV_VAR in str(err) and "auto" in str(err) and "off" in str(err)
+    assert SETTING in str(err) and "auto" in str(err) and "off" in str(err)
     assert repr(text) in str(err)
 
 

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from test_comm_harness import run_ranks  # noqa: E402
+from test_comm_harness import loopback_hooks, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
@@ -106,17 +106,11 @@ def test_custom_op_registered_idempotently_with_fake():
 
 
 # -------------------------------------------------------------- behaviour
-def _setup_overrides(threshold_text, max_bytes=4 * MiB):
-    from k3_accel.comm.eligibility import ProbeResult
-    from k3_accel.comm.loopback import LoopbackDmaRuntime, loopback_planner
-    from k3_accel.comm.router import RouterHooks
+def _setup_overrides(threshold_text, max_bytes=4 * MiB, rank=0, world=2, **hook_kw):
     from k3_accel.comm.threshold import parse_dma_min_bytes
     from k3_accel.vllm.communicator import K3CudaCommunicator, Overrides, Sizing
 
-    hooks = RouterHooks(
-        runtime_cls=LoopbackDmaRuntime, planner=loopback_planner,
-        probe=lambda g, d: ProbeResult(True, "injected"), cache=None,
-    )
+    hooks = loopback_hooks(rank, world, **hook_kw)
     K3CudaCommunicator.overrides = Overrides(
         hooks=hooks,
         sizing=Sizing(max_bytes, ((64 * 2048, torch.float32),), torch.float32),
@@ -126,7 +120,7 @@ def _setup_overrides(threshold_text, max_bytes=4 * MiB):
 
 
 def _comm(rank, world):
-    cls = _setup_overrides("256K")
+    cls = _setup_overrides("256K", rank=rank, world=world)
     group = dist.new_group(backend="gloo")
     comm = cls(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="tp:0")
     res = {"backend": comm.k3_decision.backend, "min": comm.k3_router.dma.min_bytes}
@@ -154,9 +148,8 @@ def _comm(rank, world):
     return res
 
 
-def test_tp_communicator_routes_and_tears_down():
-    out = run_ranks(_comm, 2, env=ENV)
-    for r in out:
+def test_tp_communicator_routes_and_tears_down(group):
+    for r in [g["comm"] for g in group]:
         assert r["backend"] == "B12X_DMA" and r["min"] == 256 * 1024
         assert r["small"] == 3.0 and r["big"] == 3.0 and r["ring_calls"] == 1
         assert r["inplace_small_same"] is True and r["inplace_small_value"] == 3.0
@@ -166,7 +159,7 @@ def test_tp_communicator_routes_and_tears_down():
 
 
 def _other_groups(rank, world):
-    cls = _setup_overrides("256K")
+    cls = _setup_overrides("256K", rank=rank, world=world)
     group = dist.new_group(backend="gloo")
     singles = [dist.new_group([r], backend="gloo") for r in range(world)]
     pp = cls(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="pp:0")
@@ -180,8 +173,8 @@ def _other_groups(rank, world):
     return res
 
 
-def test_only_multi_rank_tp_groups_get_a_router():
-    out = run_ranks(_other_groups, 2, env=ENV)
+def test_only_multi_rank_tp_groups_get_a_router(group):
+    out = [g["other"] for g in group]
     for rank, (pp_router, pp_decision, one_router, same, values, pp_sum) in enumerate(out):
         assert pp_router is None and pp_decision is None and one_router is None
         assert same is True and values == [float(rank + 1)] * 8     # world size 1: untouched
@@ -189,7 +182,7 @@ def test_only_multi_rank_tp_groups_get_a_router():
 
 
 def _off(rank, world, text):
-    cls = _setup_overrides(text)
+    cls = _setup_overrides(text, rank=rank, world=world)
     group = dist.new_group(backend="gloo")
     comm = cls(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="tp:0")
     out = comm.all_reduce(torch.full((256, 1024), float(rank + 1)))
@@ -198,23 +191,26 @@ def _off(rank, world, text):
     return res
 
 
-def test_dma_off_leaves_stock_path_only():
-    for router, backend, reason, value in run_ranks(_off, 2, "off", env=ENV):
+def test_dma_off_leaves_stock_path_only(group):
+    for router, backend, reason, value in [g["off"] for g in group]:
         assert router is None and backend == "VLLM_STOCK" and "disabled" in reason and value == 3.0
 
 
 def _bad_env(rank, world):
-    cls = _setup_overrides(None)
+    cls = _setup_overrides(None, rank=rank, world=world)
     group = dist.new_group(backend="gloo")
+    os.environ["VLLM_PCIE_DMA_MIN_BYTES"] = "-4M"
     try:
         cls(cpu_group=group, device=torch.device("cpu"), device_group=group, unique_name="tp:0")
     except ValueError as exc:  # the plugin's ConfigError / DmaThresholdError, both ValueErrors
         return str(exc)
+    finally:
+        del os.environ["VLLM_PCIE_DMA_MIN_BYTES"]
     return None
 
 
-def test_bad_setting_fails_at_start_with_a_clear_error():
-    out = run_ranks(_bad_env, 2, env={**ENV, "VLLM_PCIE_DMA_MIN_BYTES": "-4M"})
+def test_bad_setting_fails_at_start_with_a_clear_error(group):
+    out = [g["bad-env"] for g in group]
     assert all(msg is not None and "VLLM_PCIE_DMA_MIN_BYTES" in msg for msg in out)
 
 
@@ -225,7 +221,7 @@ def _op(rank, world):
     from k3_accel.vllm import custom_op
     from k3_accel.vllm.communicator import QUALNAME
 
-    cls = _setup_overrides("256K")
+    cls = _setup_overrides("256K", rank=rank, world=world)
     type(current_platform).get_device_communicator_cls = classmethod(lambda c: QUALNAME)
     custom_op.install()
     coord = GroupCoordinator(
@@ -245,8 +241,8 @@ def _op(rank, world):
     return res
 
 
-def test_custom_op_goes_through_the_router():
-    for is_k3, small, big, ring_calls, new_small, new_big in run_ranks(_op, 2, env=ENV):
+def test_custom_op_goes_through_the_router(group):
+    for is_k3, small, big, ring_calls, new_small, new_big in [g["op"] for g in group]:
         assert is_k3 and small == 3.0 and big == 3.0 and ring_calls == 1
         assert new_small and new_big                       # out-of-place
 
@@ -295,3 +291,15 @@ def test_sizing_from_a_vllm_shaped_config():
     cfg.parallel_config.use_ubatching = True
     assert sizing_from_vllm_config(cfg).max_bytes is None
     assert sizing_from_vllm_config(None).max_bytes is None
+
+
+def _all(rank, world):
+    """Every gloo case in one spawned group (importing vLLM in a child costs seconds); the
+    custom-op case re-points the platform's hook, so it runs last."""
+    return {"comm": _comm(rank, world), "other": _other_groups(rank, world), "off": _off(rank, world, "off"),
+            "bad-env": _bad_env(rank, world), "op": _op(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def group():
+    return run_ranks(_all, 2, env=ENV, timeout=600)

@@ -1,7 +1,8 @@
 """The plugin's settings: the only place that reads env vars and additional_config.
 
 Precedence: ``--additional-config '{"k3_accel": {...}}'`` wins over the
-environment, which wins over the defaults below.
+environment, which wins over the defaults below. Every value remembers where it
+came from (:meth:`K3Config.source`), so a message can name the key the user set.
 """
 from __future__ import annotations
 
@@ -52,9 +53,9 @@ def _address(key: str) -> Callable[[Any], str | None]:
 def _dma(key: str) -> Callable[[Any], DmaThreshold]:
     def parse(value: Any) -> DmaThreshold:
         try:
-            return parse_dma_min_bytes(None if value is None else str(value))
-        except ValueError as exc:
-            raise ConfigError(f"{key}: {exc}") from exc
+            return parse_dma_min_bytes(None if value is None else str(value), source=key)
+        except ValueError as exc:  # the message already starts with ``key=value``
+            raise ConfigError(str(exc)) from exc
     return parse
 
 
@@ -71,6 +72,15 @@ class K3Config:
     dma_cache_dir: str | None = None          # measured DMA crossovers (default ~/.cache/k3_accel)
     curve_server_key: str | None = None       # server public key file (client side)
     curve_client_key: str | None = None       # client certificate (secret) file
+    # field -> where its value came from; filled by load_config (not compared)
+    _sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def source(self, field: str) -> str:
+        """Where ``field``'s value came from: ``additional_config.k3_accel.<field>``,
+        the environment variable's name, or ``default``."""
+        if field not in ALLOWED_KEYS:
+            raise KeyError(f"unknown setting {field!r}; known: {list(ALLOWED_KEYS)}")
+        return self._sources.get(field, "default")
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,7 @@ def load_config(additional_config: Mapping[str, Any] | None = None,
     env = os.environ if environ is None else environ
     section = _plugin_section(additional_config)
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for setting in _SETTINGS:
         if setting.field in section:
             key, raw = f"additional_config.k3_accel.{setting.field}", section[setting.field]
@@ -121,4 +132,15 @@ def load_config(additional_config: Mapping[str, Any] | None = None,
         else:
             continue
         values[setting.field] = setting.parse(key)(raw)
-    return K3Config(**values)
+        sources[setting.field] = key
+    return K3Config(**values, _sources=sources)
+
+
+def from_vllm(vllm_config: Any, environ: Mapping[str, str] | None = None) -> K3Config:
+    """The plugin's config for one engine: ``vllm_config.additional_config`` + environment.
+
+    The one loader for every hook (speculator, communicator). ``vllm_config`` may be
+    None (no engine config in this process): then only the environment counts.
+    """
+    additional = getattr(vllm_config, "additional_config", None) if vllm_config is not None else None
+    return load_config(additional if isinstance(additional, Mapping) else None, environ)

@@ -1,4 +1,4 @@
-"""``VLLM_PCIE_DMA_MIN_BYTES=auto``: measure where the DMA ring beats the next backend.
+"""``dma_min_bytes = auto``: measure where the DMA ring beats the next backend.
 
 At start-up every rank times the next backend (what stock vLLM would use) and
 the DMA ring at a ladder of sizes, the tables are merged across ranks (the
@@ -10,13 +10,15 @@ every rank derives the same decision from the same table:
     measured**; no such S → no crossover (DMA off).
 
 Between ladder points the next backend keeps the sizes below S, so the rule
-errs towards stock behaviour. A decision is cached per topology / world size /
-versions (``~/.cache/k3_accel/``, or the config's ``dma_cache_dir``); the first rank
-loads it and broadcasts it, so all ranks agree even when their file systems
-differ.
+errs towards stock behaviour. A decision is cached per world size, topology (which
+GPUs, in rank order), driver and software versions (``~/.cache/k3_accel/``, or
+the config's ``dma_cache_dir``); the first rank loads it and broadcasts it, so
+all ranks agree even when their file systems differ.
 
 The measurement is an injected function ``measure(nbytes) -> (next_s, dma_s)``;
-:func:`make_event_measure` is the real one (CUDA events, median).
+:func:`make_event_measure` is the real one (CUDA events, median). It allocates
+its input buffer when it is made (an agreed stage), so a rank is unlikely to
+fail alone half-way through the ring's collectives for want of memory.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .consensus import broadcast_from_first
+from .consensus import AgreedError, agree, broadcast_from_first, describe_error
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +152,7 @@ def merge_across_ranks(group, samples: Sequence[Sample]) -> Tuple[Sample, ...]:
 
 # --------------------------------------------------------------------------- cache
 def default_cache_dir() -> Path:
-    """``~/.cache/k3_accel`` (``dma_cache_dir`` / ``K3_ACCEL_CACHE_DIR`` override it via config)."""
+    """``~/.cache/k3_accel`` (the config's ``dma_cache_dir`` overrides it)."""
     return Path.home() / ".cache" / "k3_accel"
 
 
@@ -192,8 +194,13 @@ class CrossoverCache:
         return path
 
 
-def environment_fields(world_size: int, topology: object, **extra) -> dict:
-    """What a cached crossover depends on: topology, world size, software versions."""
+def environment_fields(world_size: int, topology: object, driver: object, **extra) -> dict:
+    """What a cached crossover depends on: world size, topology, driver, software versions.
+
+    ``topology`` names the GPUs in rank order (so another subset of a host's GPUs,
+    with other links between them, gets its own entry); ``driver`` is every rank's
+    driver version.
+    """
     from importlib import metadata
 
     def version(dist_name: str) -> str:
@@ -211,6 +218,7 @@ def environment_fields(world_size: int, topology: object, **extra) -> dict:
     fields = {
         "world_size": int(world_size),
         "topology": topology,
+        "driver": driver,
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
         "nccl": nccl,
@@ -222,32 +230,23 @@ def environment_fields(world_size: int, topology: object, **extra) -> dict:
 
 
 # --------------------------------------------------------------------------- run
-def _key_fields(fields: Optional[Mapping], sizes: Sequence[int], margin: float) -> dict:
-    out = dict(fields or {})
-    out.update({"ladder": list(sizes), "margin": margin})
-    return out
-
-
-def load_agreed(
-    group,
-    sizes: Sequence[int],
-    *,
-    margin: float = DEFAULT_MARGIN,
-    cache: Optional[CrossoverCache] = None,
-    fields: Optional[Mapping] = None,
-) -> Optional[CrossoverDecision]:
-    """Collective: the first rank's cached decision for these fields, on every rank (or None)."""
+def load_agreed(group, key: str, *, cache: Optional[CrossoverCache]) -> Optional[CrossoverDecision]:
+    """Collective: the first rank's cached decision for ``key``, on every rank (or None)."""
     if cache is None:
         return None
-    full = _key_fields(fields, sizes, margin)
-    key = cache_key(full)
     first = group is None or dist.get_rank(group) == 0
-    cached = cache.load(key) if first else None
+    payload = None
+    if first:
+        try:
+            cached = cache.load(key)
+            payload = None if cached is None else cached.to_json()
+        except Exception as exc:  # noqa: BLE001 - an unreadable cache is no cache
+            log.warning("k3-accel: DMA crossover cache unreadable: %s", exc)
     if group is not None:
-        payload = broadcast_from_first(group, None if cached is None else cached.to_json())
-        cached = None if payload is None else CrossoverDecision.from_json(payload)
-    if cached is None:
+        payload = broadcast_from_first(group, payload)
+    if payload is None:
         return None
+    cached = CrossoverDecision.from_json(payload)
     return CrossoverDecision(cached.min_bytes, cached.reason, cached.samples, "cache", key)
 
 
@@ -258,25 +257,31 @@ def run_auto(
     *,
     margin: float = DEFAULT_MARGIN,
     cache: Optional[CrossoverCache] = None,
+    key: str = "",
     fields: Optional[Mapping] = None,
-    use_cache: bool = True,
 ) -> CrossoverDecision:
-    """Collective over ``group`` (gloo): cached decision, or measure → merge → decide → store."""
-    full = _key_fields(fields, sizes, margin)
-    key = cache_key(full)
-    if use_cache:
-        cached = load_agreed(group, sizes, margin=margin, cache=cache, fields=fields)
-        if cached is not None:
-            return cached
+    """Collective over ``group`` (gloo): measure → merge → decide → store under ``key``.
+
+    A rank whose measurement fails does not skip the merge alone: the failure is
+    agreed first and raised as :class:`AgreedError` on every rank.
+    """
     if not sizes:
         return CrossoverDecision(None, "no ladder size fits the ring", (), "measured", key)
-    local = [Sample(n, *measure(n)) for n in sizes]
+    local: list = []
+    error: Optional[str] = None
+    try:
+        local = [Sample(n, *measure(n)) for n in sizes]
+    except Exception as exc:  # noqa: BLE001
+        error = describe_error(exc)
+    failure = agree(group, error) if group is not None else error
+    if failure is not None:
+        raise AgreedError(failure)
     merged = merge_across_ranks(group, local)
     min_bytes, reason = select_crossover(merged, margin=margin)
     decision = CrossoverDecision(min_bytes, reason, merged, "measured", key)
     first = group is None or dist.get_rank(group) == 0
     if cache is not None and first:
-        cache.store(key, decision, full)
+        cache.store(key, decision, dict(fields or {}))
     return decision
 
 
@@ -298,16 +303,20 @@ def make_event_measure(
     dma_fn: Callable[[torch.Tensor], torch.Tensor],
     *,
     device: torch.device,
+    max_bytes: int,
     dtype: torch.dtype = torch.bfloat16,
     warmup: int = 3,
     iters: int = 15,
 ) -> Measure:
-    """The real measurement: CUDA-event medians of each backend at ``nbytes`` (random data)."""
+    """The real measurement: CUDA-event medians of each backend at each size (random data).
+
+    One buffer of ``max_bytes`` is filled here; each size times a prefix of it.
+    """
     itemsize = torch.empty(0, dtype=dtype).element_size()
+    data = torch.empty(int(max_bytes) // itemsize, device=device, dtype=dtype).uniform_(-1.0, 1.0)
 
     def measure(nbytes: int) -> Tuple[float, float]:
-        numel = nbytes // itemsize
-        x = torch.randn(numel, device=device, dtype=torch.float32).to(dtype)
+        x = data[: nbytes // itemsize].uniform_(-1.0, 1.0)  # fresh values: an in-place backend grows them
         for _ in range(warmup):
             next_fn(x)
             dma_fn(x)

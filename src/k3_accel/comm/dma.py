@@ -11,7 +11,10 @@ first run happens either in :meth:`prepare` (all ranks together, before capture)
 or on the first eager call of a new size — both collective by construction,
 because every rank of a TP group issues the same all-reduces in the same order.
 During CUDA-graph capture an unprepared size is *declined* (the router then uses
-the next backend) instead of failing the capture.
+the next backend) instead of failing the capture. A ring built with
+``capturable=False`` declines every size during capture, so no graph ever holds
+its addresses and sleep mode may free and rebuild it; :attr:`captured` records
+whether a graph did take the ring.
 
 Memory: the ring's slab is a raw ``cudaMalloc`` outside PyTorch's allocator,
 ``256·128 + 2(N−1)·ceil(max_bytes/N)`` bytes per rank; :attr:`workspace_bytes`
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Callable, Iterable, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -88,6 +91,7 @@ class DmaBackend:
         world_size: int,
         min_bytes: int = 0,
         planner: Optional[Planner] = None,
+        capturable: bool = True,
     ) -> None:
         if not world_size_supported(world_size):
             raise ValueError(f"DMA ring does not support world size {world_size}")
@@ -101,6 +105,8 @@ class DmaBackend:
         self._plans: dict = {}
         self._ready: set = set()  # keys whose plan has run at least once
         self._closed = False
+        self.capturable = bool(capturable)
+        self.captured = False  # a CUDA graph holds this ring's addresses
         if planner is None:
             _install_lazy_plan_filter()
 
@@ -115,6 +121,7 @@ class DmaBackend:
         world_size: int,
         runtime_cls: Optional[Callable[..., object]] = None,
         planner: Optional[Planner] = None,
+        capturable: bool = True,
     ) -> "DmaBackend":
         """Build the ring (collective: exchanges IPC handles over ``exchange_group``)."""
         if runtime_cls is None:
@@ -123,7 +130,7 @@ class DmaBackend:
         runtime = runtime_cls(
             exchange_group=exchange_group, device=device, max_bytes=int(max_bytes), fp8="off"
         )
-        return cls(runtime, world_size=world_size, planner=planner)
+        return cls(runtime, world_size=world_size, planner=planner, capturable=capturable)
 
     # --------------------------------------------------------------- surface
     @property
@@ -154,8 +161,10 @@ class DmaBackend:
         nbytes = t.numel() * t.element_size()
         if nbytes < self.min_bytes or not self.accepts(t):
             return False
-        if (t.numel(), t.dtype) not in self._ready and _capturing(self.device):
-            return False  # never materialise a plan inside a capture
+        if _capturing(self.device):
+            if not self.capturable or (t.numel(), t.dtype) not in self._ready:
+                return False  # never materialise a plan inside a capture
+            self.captured = True
         return True
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -171,31 +180,44 @@ class DmaBackend:
         self._ready.add(key)
         return out.view(t.shape)
 
-    def prepare(self, sizes: Iterable[Tuple[int, torch.dtype]]) -> int:
-        """Collective: materialise plans for ``(numel, dtype)`` sizes before capture.
+    def capture_plan(self, sizes: Iterable[Tuple[int, torch.dtype]]) -> List[PlanKey]:
+        """The ``(numel, dtype)`` sizes :meth:`prepare` would warm up (none if not capturable).
 
-        Sizes the ring cannot take are skipped (identically on every rank).
-        Returns the number of sizes prepared.
+        Sizes the ring cannot take or has already run are skipped; the result is
+        sorted, so it is the same on every rank for the same input.
         """
-        count = 0
+        if not self.capturable:
+            return []
+        keep = []
         for numel, dtype in sorted(set(sizes), key=lambda item: (item[0], str(item[1]))):
-            probe = torch.empty(0, dtype=dtype, device=self.device)
-            nbytes = int(numel) * probe.element_size()
-            if (
-                numel <= 0
-                or numel % self._multiple
-                or nbytes > self.max_bytes
-                or dtype not in SUPPORTED_DTYPES
-            ):
+            numel = int(numel)
+            if dtype not in SUPPORTED_DTYPES or numel <= 0 or numel % self._multiple:
                 continue
-            if (int(numel), dtype) in self._ready:
+            if numel * _itemsize(dtype) > self.max_bytes or (numel, dtype) in self._ready:
                 continue
-            warm = torch.ones(int(numel), dtype=dtype, device=self.device)
-            self.all_reduce(warm)
-            count += 1
-        if count and self.device.type == "cuda":
+            keep.append((numel, dtype))
+        return keep
+
+    def warmup_buffer(self, plan: Iterable[PlanKey]) -> Optional[torch.Tensor]:
+        """One byte buffer large enough for every size of ``plan`` (allocated before any ring call)."""
+        need = max((n * _itemsize(d) for n, d in plan), default=0)
+        return torch.ones(need, dtype=torch.uint8, device=self.device) if need else None
+
+    def prepare(self, plan: Iterable[PlanKey], buffer: Optional[torch.Tensor] = None) -> int:
+        """Collective: materialise plans for ``plan``'s sizes (from :meth:`capture_plan`) before capture.
+
+        Each size runs once on a slice of ``buffer`` (see :meth:`warmup_buffer`), so the
+        inputs are allocated before the first ring call, not between them (each call
+        still allocates its small output). Returns the count.
+        """
+        plan = list(plan)
+        if buffer is None:
+            buffer = self.warmup_buffer(plan)
+        for numel, dtype in plan:
+            self.all_reduce(buffer[: numel * _itemsize(dtype)].view(dtype))
+        if plan and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return count
+        return len(plan)
 
     def prepared_sizes(self) -> frozenset:
         return frozenset(self._ready)
@@ -220,6 +242,10 @@ class DmaBackend:
             "k3-accel: DMA ring abandoned without collective close; %d raw device bytes leaked",
             self.workspace_bytes,
         )
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _capturing(device: torch.device) -> bool:

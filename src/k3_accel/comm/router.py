@@ -1,53 +1,27 @@
 """Per-tensor all-reduce routing: one-shot → DMA ring → the next backend.
 
 :class:`AllReduceRouter` is the hot path (a couple of attribute loads and
-metadata comparisons per call). :func:`build_router` is the collective
-start-up that decides whether the ring runs at all and from which size:
-
-1. ``VLLM_PCIE_DMA_MIN_BYTES`` off → next backend only.
-2. World size must be one b12x supports; ``max_bytes`` must be known.
-3. Capability, fail closed (:mod:`.eligibility`): the one-shot runtime's explicit
-   all-peer report, else the plugin's own P2P probe agreed by all ranks.
-4. ``auto`` with a cached decision for this topology/world size/versions that
-   says "never" → done, the ring is not even allocated.
-5. The ring is built on every rank or on none (:mod:`.consensus`).
-6. ``auto`` without a cached decision → crossover measured, merged across
-   ranks and cached (:mod:`.crossover`); no winning size → the ring is closed
-   (collectively) and its memory released.
-7. Sizes that will be graph-captured are prepared before capture.
-
-Every failure keeps the next backend and carries its reason into the one
-log line reported at start (:attr:`RouterDecision.summary`).
+metadata comparisons per call) plus the ring's lifecycle: teardown
+(:meth:`~AllReduceRouter.close`, bounded, never raises) and sleep mode
+(:meth:`~AllReduceRouter.suspend` / :meth:`~AllReduceRouter.resume`, collective
+and agreed). :func:`k3_accel.comm.build.build_router` decides at start-up
+whether the ring runs at all and from which size.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from .consensus import agree, create_on_all_ranks, describe_error
-from .crossover import (
-    DEFAULT_MARGIN,
-    CrossoverCache,
-    CrossoverDecision,
-    environment_fields,
-    ladder_sizes,
-    load_agreed,
-    make_event_measure,
-    run_auto,
-)
-from .dma import DmaBackend, Planner
-from .eligibility import (
-    ProbeResult,
-    decide_capability,
-    probe_all_peer,
-    world_size_supported,
-)
+from .consensus import any_rank_failed, describe_error
+from .crossover import CrossoverDecision
+from .dma import DmaBackend
 from .oneshot import OneShotBackend
-from .threshold import DmaThreshold, format_bytes
+from .ring import RingSource
+from .threshold import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +40,15 @@ class AllReduceRouter:
         dma: Optional[DmaBackend] = None,
         next_name: str = "NCCL",
         decision: Optional["RouterDecision"] = None,
+        ring: Optional[RingSource] = None,
     ) -> None:
         self.fallback = fallback
         self.oneshot = oneshot
         self.dma = dma
         self.next_name = next_name
         self.decision = decision
+        self.ring = ring  # how to release and rebuild the ring (sleep mode, teardown)
+        self._suspended_min: Optional[int] = None  # the ring's threshold while suspended
 
     # hot path -----------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -106,16 +83,70 @@ class AllReduceRouter:
         if dma is None:
             return 0
         wanted = [(n, d) for n, d in sizes if n * _itemsize(d) >= dma.min_bytes]
-        return dma.prepare(wanted)
+        return dma.prepare(dma.capture_plan(wanted))
 
-    def close(self) -> None:
-        """Collective: every rank must call it."""
+    def close(self) -> Optional[str]:
+        """Teardown; every rank should call it. Bounded in time and never raises.
+
+        Returns None when the ring was closed (or there was none), else why it
+        was abandoned (a peer dead or absent, a failing close).
+        """
         dma, self.dma = self.dma, None
         oneshot, self.oneshot = self.oneshot, None
+        self._suspended_min = None
+        error = None
         if dma is not None:
-            dma.close()
+            error = self.ring.release(dma) if self.ring is not None else _close_or_abandon(dma)
         if oneshot is not None:
-            oneshot.close()
+            try:
+                oneshot.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("k3-accel: one-shot close failed: %s", describe_error(exc))
+        return error
+
+    def suspend(self) -> str:
+        """Collective (sleep mode): release the ring's memory; :meth:`resume` rebuilds it.
+
+        Kept instead when a CUDA graph on any rank holds the ring's addresses
+        (freeing it would corrupt those replays); the decision is agreed.
+        Returns what happened, for the log.
+        """
+        dma = self.dma
+        if dma is None or self.ring is None:
+            return "no DMA ring to release"
+        if any_rank_failed(self.ring.group, dma.captured):
+            return "DMA ring kept: CUDA graphs were captured through it"
+        self._suspended_min = dma.min_bytes
+        self.dma = None
+        error = self.ring.release(dma)
+        return "DMA ring released" + (f" (abandoned on this rank: {error})" if error else "")
+
+    def resume(self) -> str:
+        """Collective (sleep mode): rebuild a ring released by :meth:`suspend`, on every rank or none."""
+        min_bytes, self._suspended_min = self._suspended_min, None
+        if min_bytes is None or self.ring is None:
+            return "no DMA ring to restore"
+        built = self.ring.build()
+        if not built.ok:
+            return f"DMA ring not restored, {self.next_name} keeps every size ({built.failure})"
+        dma = built.value
+        assert dma is not None
+        dma.min_bytes = min_bytes
+        warmed = self.ring.warm(dma)
+        if not warmed.ok:
+            self.ring.release(dma)
+            return f"DMA ring not restored, {self.next_name} keeps every size ({warmed.failure})"
+        self.dma = dma
+        return f"DMA ring restored ({format_bytes(dma.workspace_bytes)})"
+
+
+def _close_or_abandon(dma: DmaBackend) -> Optional[str]:
+    try:
+        dma.close()
+        return None
+    except Exception as exc:  # noqa: BLE001
+        dma.abandon()
+        return describe_error(exc)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -134,6 +165,8 @@ def backend_name(oneshot: bool, dma: bool, next_name: str = "NCCL") -> str:
 
 @dataclass(frozen=True)
 class RouterDecision:
+    """What start-up decided and why; :attr:`summary` is the one line logged."""
+
     backend: str
     dma_min_bytes: Optional[int]
     reason: str
@@ -142,6 +175,12 @@ class RouterDecision:
     workspace_bytes: int = 0
     crossover: Optional[CrossoverDecision] = None
     prepared_sizes: int = 0
+    threshold_source: str = "dma_min_bytes"  # where the threshold was set (config key, env var, default)
+    seconds: float = 0.0                     # start-up time spent deciding (probe, build, measure)
+    failed: bool = False                     # a fault (not a rule) kept the next backend
+
+    def with_reason(self, reason: str) -> "RouterDecision":
+        return dataclasses.replace(self, reason=reason)
 
     @property
     def summary(self) -> str:
@@ -153,178 +192,13 @@ class RouterDecision:
             )
             if self.prepared_sizes:
                 parts.append(f"{self.prepared_sizes} capture size(s) prepared")
-        parts.append(f"VLLM_PCIE_DMA_MIN_BYTES={self.threshold}")
+        parts.append(f"threshold {self.threshold} ({self.threshold_source})")
+        if self.seconds >= 0.01:
+            parts.append(f"decided in {self.seconds:.2f} s")
         parts.append(f"why: {self.reason}")
         return "; ".join(parts)
 
 
-@dataclass
-class RouterHooks:
-    """Injection points for hardware this process may lack (tests, benchmarks).
-
-    ``runtime_cls`` builds the ring (default b12x ``DmaAllReduce``), ``planner``
-    declares its plans, ``probe`` is the P2P probe, ``measure_factory(dma,
-    fallback, device, dtype)`` returns the crossover measurement.
-    """
-
-    runtime_cls: Optional[Callable[..., object]] = None
-    planner: Optional[Planner] = None
-    probe: Optional[Callable[[object, torch.device], ProbeResult]] = None
-    measure_factory: Optional[Callable[..., Callable[[int], Tuple[float, float]]]] = None
-    cache: Optional[CrossoverCache] = field(default_factory=CrossoverCache)
-    margin: float = DEFAULT_MARGIN
-
-
-def _default_measure_factory(dma: DmaBackend, fallback: AllReduceFn, device, dtype):
-    return make_event_measure(fallback, dma.all_reduce, device=device, dtype=dtype)
-
-
-def build_router(
-    *,
-    group,
-    device: torch.device,
-    threshold: DmaThreshold,
-    max_bytes: Optional[int],
-    fallback: AllReduceFn,
-    oneshot: Optional[OneShotBackend] = None,
-    next_name: str = "NCCL",
-    capture_sizes: Sequence[Tuple[int, torch.dtype]] = (),
-    measure_dtype: torch.dtype = torch.bfloat16,
-    exchange_group=None,
-    hooks: Optional[RouterHooks] = None,
-    cache_fields: Optional[dict] = None,
-) -> AllReduceRouter:
-    """Collective over ``group`` (a gloo group of the TP ranks). See the module doc.
-
-    Every branch that can differ between ranks goes through consensus, so all
-    ranks return routers with the same backends and the same crossover.
-    """
-    hooks = hooks or RouterHooks()
-    world = dist.get_world_size(group)
-    threshold_text = str(threshold)
-
-    def keep_next(reason: str, crossover: Optional[CrossoverDecision] = None) -> AllReduceRouter:
-        name = backend_name(oneshot is not None, False, next_name)
-        decision = RouterDecision(name, None, reason, threshold_text, max_bytes, 0, crossover)
-        return AllReduceRouter(
-            fallback=fallback, oneshot=oneshot, dma=None, next_name=next_name, decision=decision
-        )
-
-    if threshold.is_off:
-        return keep_next("DMA disabled by setting")
-    if not world_size_supported(world):
-        return keep_next(f"world size {world} not supported by the DMA ring")
-    if not max_bytes or max_bytes <= 0:
-        return keep_next("ring size unknown (max batched tokens x hidden size)")
-    if threshold.min_bytes is not None and threshold.min_bytes > max_bytes:
-        return keep_next(
-            f"threshold {format_bytes(threshold.min_bytes)} above the largest reduce "
-            f"{format_bytes(max_bytes)}"
-        )
-
-    # 3. capability, fail closed
-    report = oneshot.all_peer_report() if oneshot is not None else None
-    probe_result: Optional[ProbeResult] = None
-    if report is None:
-        probe = hooks.probe or probe_all_peer
-        try:
-            probe_result = probe(group, device)
-        except Exception as exc:  # noqa: BLE001 - the default probe agrees internally
-            probe_result = ProbeResult(False, describe_error(exc))
-    capability = decide_capability(report, probe_result)
-    if not capability.capable:
-        return keep_next(capability.reason)
-
-    # 4. auto: a cached decision for this topology/world size/versions, agreed by all ranks
-    crossover: Optional[CrossoverDecision] = None
-    sizes: Tuple[int, ...] = ()
-    fields: dict = {}
-    if threshold.is_auto:
-        error: Optional[str] = None
-        try:
-            itemsize = _itemsize(measure_dtype)
-            sizes = ladder_sizes(max_bytes, world, itemsize)
-            topology = probe_result.signature if probe_result is not None else ("runtime-report",)
-            fields = environment_fields(
-                world, topology, dtype=str(measure_dtype), next=next_name, **(cache_fields or {})
-            )
-        except Exception as exc:  # noqa: BLE001
-            error = describe_error(exc)
-        failure = agree(group, error)
-        if failure is not None:
-            return keep_next(f"auto crossover set-up failed ({failure})")
-        crossover = load_agreed(group, sizes, margin=hooks.margin, cache=hooks.cache, fields=fields)
-        if crossover is not None and crossover.min_bytes is None:
-            # the ring never won here: do not even allocate it
-            return keep_next(f"auto ({crossover.source}): {crossover.reason}", crossover)
-
-    # 5. build the ring on every rank or none
-    created = create_on_all_ranks(
-        group,
-        lambda: DmaBackend.create(
-            exchange_group=exchange_group if exchange_group is not None else group,
-            device=device,
-            max_bytes=max_bytes,
-            world_size=world,
-            runtime_cls=hooks.runtime_cls,
-            planner=hooks.planner,
-        ),
-        abandon=lambda backend: backend.abandon(),
-    )
-    if not created.ok:
-        return keep_next(f"DMA ring initialisation failed ({created.reason})", crossover)
-    dma: DmaBackend = created.value  # type: ignore[assignment]
-
-    # 6. threshold: fixed, cached, or measured now
-    if threshold.is_auto:
-        if crossover is None:
-            error = None
-            try:
-                factory = hooks.measure_factory or _default_measure_factory
-                measure = factory(dma, fallback, device, measure_dtype)
-                crossover = run_auto(
-                    group, measure, sizes, margin=hooks.margin, cache=hooks.cache, fields=fields,
-                    use_cache=False,
-                )
-            except Exception as exc:  # noqa: BLE001
-                error = describe_error(exc)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # hand the measurement's buffers back before vLLM profiles memory
-            failure = agree(group, error)
-            if failure is not None:
-                dma.close()
-                return keep_next(f"auto crossover measurement failed ({failure})")
-        assert crossover is not None
-        if crossover.min_bytes is None:
-            dma.close()
-            return keep_next(f"auto ({crossover.source}): {crossover.reason}", crossover)
-        dma.min_bytes = crossover.min_bytes
-        reason = f"auto ({crossover.source}): {crossover.reason}; {capability.reason}"
-    else:
-        dma.min_bytes = int(threshold.min_bytes or 0)
-        reason = f"fixed threshold; {capability.reason}"
-
-    # 7. capture sizes
-    router = AllReduceRouter(fallback=fallback, oneshot=oneshot, dma=dma, next_name=next_name)
-    prepared = 0
-    error = None
-    try:
-        prepared = router.prepare_capture(list(capture_sizes))
-    except Exception as exc:  # noqa: BLE001
-        error = describe_error(exc)
-    failure = agree(group, error)
-    if failure is not None:
-        dma.close()
-        return keep_next(f"preparing capture sizes failed ({failure})", crossover)
-
-    router.decision = RouterDecision(
-        router.backend_name, dma.min_bytes, reason, threshold_text, max_bytes,
-        dma.workspace_bytes, crossover, prepared,
-    )
-    return router
-
-
 __all__ = [
-    "AllReduceRouter", "DMA", "NEXT", "ONESHOT", "RouterDecision", "RouterHooks",
-    "backend_name", "build_router",
+    "AllReduceRouter", "DMA", "NEXT", "ONESHOT", "RouterDecision", "backend_name",
 ]

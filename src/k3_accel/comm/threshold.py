@@ -1,6 +1,8 @@
-"""``VLLM_PCIE_DMA_MIN_BYTES``: when large all-reduces may ride the DMA ring.
+"""The ``dma_min_bytes`` setting: when large all-reduces may ride the DMA ring.
 
-Accepted text (case-insensitive, surrounding blanks ignored):
+This module parses the value only; :mod:`k3_accel.config` knows where it is set
+(its key and environment variable) and passes that as ``source``, so an error
+names what the user actually wrote. Accepted text (case-insensitive, surrounding blanks ignored):
 
 * unset or empty, or ``auto`` — measure the crossover on this group at start-up
   (the default);
@@ -10,7 +12,7 @@ Accepted text (case-insensitive, surrounding blanks ignored):
   e.g. ``6M``, ``24MiB``, ``1048576``, ``0`` (every eligible size).
 
 Anything else — a negative number, a fraction, an unknown suffix — raises
-:class:`DmaThresholdError` naming the variable and the allowed values.
+:class:`DmaThresholdError` naming the source and the allowed values.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-ENV_VAR = "VLLM_PCIE_DMA_MIN_BYTES"
+SETTING = "dma_min_bytes"  # the setting's name when the caller names no source
 ALLOWED = "'auto' (default), 'off'/'none'/'disabled', or a byte count >= 0 with an optional K/M/G/T suffix (e.g. 24M)"
 
 _OFF_WORDS = frozenset({"off", "none", "disabled"})
@@ -35,9 +37,9 @@ Mode = Literal["auto", "off", "bytes"]
 
 
 class DmaThresholdError(ValueError):
-    """``VLLM_PCIE_DMA_MIN_BYTES`` (or its config key) holds an invalid value."""
+    """The DMA threshold setting holds an invalid value; ``source`` names where it was set."""
 
-    def __init__(self, value: object, why: str, *, source: str = ENV_VAR):
+    def __init__(self, value: object, why: str, *, source: str = SETTING):
         self.value = value
         self.source = source
         super().__init__(f"{source}={value!r} is invalid: {why}; allowed: {ALLOWED}")
@@ -82,7 +84,7 @@ class DmaThreshold:
         return self.mode if self.min_bytes is None else format_bytes(self.min_bytes)
 
 
-def parse_byte_size(text: str, *, source: str = ENV_VAR) -> int:
+def parse_byte_size(text: str, *, source: str = SETTING) -> int:
     """``"24M"`` → 25165824. Raises :class:`DmaThresholdError` on bad input."""
     raw = text.strip().lower()
     match = _SIZE_RE.fullmatch(raw)
@@ -96,8 +98,8 @@ def parse_byte_size(text: str, *, source: str = ENV_VAR) -> int:
     return amount * _SUFFIXES[suffix]
 
 
-def parse_dma_min_bytes(text: Optional[str], *, source: str = ENV_VAR) -> DmaThreshold:
-    """Parse the variable's text (``None`` = unset) into a :class:`DmaThreshold`."""
+def parse_dma_min_bytes(text: Optional[str], *, source: str = SETTING) -> DmaThreshold:
+    """Parse the setting's text (``None`` = unset) into a :class:`DmaThreshold`."""
     if text is None:
         return DmaThreshold.auto()
     if isinstance(text, bool) or not isinstance(text, (str, int)):
@@ -124,6 +126,6 @@ def format_bytes(n: int) -> str:
 
 
 __all__ = [
-    "ALLOWED", "ENV_VAR", "DmaThreshold", "DmaThresholdError",
+    "ALLOWED", "SETTING", "DmaThreshold", "DmaThresholdError",
     "format_bytes", "parse_byte_size", "parse_dma_min_bytes",
 ]

@@ -10,8 +10,14 @@ router; every other group, and the TP group whenever the ring is off, runs the
 stock code behind one ``is None`` branch. Everything the router does not send
 to the ring goes to the stock ``CudaCommunicator.all_reduce``.
 
-Settings come from ``k3_accel.config.load_config(additional_config)`` →
-``K3Config.dma_min_bytes`` (a :class:`~k3_accel.comm.threshold.DmaThreshold`).
+Faults never reach the engine: set-up failures (sizing, allocation, a peer's
+failure) leave stock behaviour on every rank with one log line saying why;
+``destroy()`` and sleep mode's ``suspend()``/``resume()`` never raise, and
+teardown is bounded in time whatever the peers do. Only an invalid setting
+raises (:class:`~k3_accel.config.ConfigError`, on every rank alike).
+
+Settings come from :func:`k3_accel.config.from_vllm` → ``K3Config.dma_min_bytes``
+and ``dma_cache_dir``; the log line names where the threshold was set.
 
 Importing this module is cheap: the class itself is built on first attribute
 access (``resolve_obj_by_qualname`` in a worker), because that imports vLLM's
@@ -27,12 +33,14 @@ from typing import Callable, ClassVar, List, Optional, Tuple
 
 import torch
 
-from k3_accel.comm.oneshot import OneShotBackend
-from k3_accel.comm.router import AllReduceRouter, RouterDecision, RouterHooks, build_router
+from k3_accel.comm.build import RouterHooks, build_router
+from k3_accel.comm.consensus import agree, describe_error, run_agreed
 from k3_accel.comm.crossover import CrossoverCache
+from k3_accel.comm.oneshot import OneShotBackend
+from k3_accel.comm.router import AllReduceRouter, RouterDecision
 from k3_accel.comm.threshold import DmaThreshold
-from k3_accel.config import K3Config, load_config
-from k3_accel.vllm.compat import MissingSymbol, require
+from k3_accel.config import ConfigError, K3Config, from_vllm
+from k3_accel.vllm.compat import MissingSymbol, require, vllm_version
 
 _CUDA_COMM_MODULE = "vllm.distributed.device_communicators.cuda_communicator"
 STOCK_QUALNAME = f"{_CUDA_COMM_MODULE}.CudaCommunicator"
@@ -50,12 +58,16 @@ class Sizing:
     capture_sizes: Tuple[Tuple[int, torch.dtype], ...] = ()
     model_dtype: torch.dtype = torch.bfloat16
     note: str = ""
+    ring_in_graphs: bool = True  # False when sleep mode may free communicator memory
 
 
 def sizing_from_vllm_config(vllm_config) -> Sizing:
     """``max_bytes`` = max batched tokens × largest hidden size × 4 (fp32 reductions count).
 
     Capture sizes = each CUDA-graph capture batch × hidden size, in the model dtype.
+    With ``enable_nccl_comm_suspend`` (sleep mode frees communicator memory) the
+    ring stays out of CUDA graphs, so freeing and rebuilding it cannot leave a
+    graph pointing at freed memory.
     """
     if vllm_config is None or getattr(vllm_config, "model_config", None) is None:
         return Sizing(None, note="no vLLM model config at communicator construction")
@@ -82,19 +94,14 @@ def sizing_from_vllm_config(vllm_config) -> Sizing:
     mode = getattr(compilation, "cudagraph_mode", None)
     if mode is None or str(getattr(mode, "name", mode)).upper() != "NONE":
         captures = [(int(b) * hidden, dtype) for b in sizes if int(b) > 0]
-    return Sizing(max_bytes, tuple(captures), dtype)
+    in_graphs = not bool(getattr(model, "enable_nccl_comm_suspend", False))
+    return Sizing(max_bytes, tuple(captures) if in_graphs else (), dtype, ring_in_graphs=in_graphs)
 
 
-def load_settings(vllm_config) -> K3Config:
-    """The plugin's config (``additional_config`` + env) for this engine."""
-    additional = getattr(vllm_config, "additional_config", None) if vllm_config is not None else None
-    return load_config(additional if isinstance(additional, dict) else None)
-
-
-def _hooks(overrides: "Overrides", cfg: K3Config) -> Optional[RouterHooks]:
-    if overrides.hooks is not None or cfg.dma_cache_dir is None:
+def _hooks(overrides: "Overrides", cfg: K3Config) -> RouterHooks:
+    if overrides.hooks is not None:
         return overrides.hooks
-    return RouterHooks(cache=CrossoverCache(Path(cfg.dma_cache_dir)))
+    return RouterHooks(cache=CrossoverCache(Path(cfg.dma_cache_dir))) if cfg.dma_cache_dir else RouterHooks()
 
 
 def _current_vllm_config():
@@ -112,6 +119,64 @@ class Overrides:
     hooks: Optional[RouterHooks] = None
     sizing: Optional[Sizing] = None
     threshold: Optional[DmaThreshold] = None
+
+
+STOCK = "VLLM_STOCK"
+
+
+def setup_router(comm, stock: Callable[[torch.Tensor], torch.Tensor], overrides: Overrides):
+    """Collective over ``comm.cpu_group``: ``(router or None, decision)``, the same on every rank.
+
+    Raises :class:`ConfigError` (on every rank) for an invalid setting; every
+    other failure is agreed and returns stock behaviour with its reason.
+    """
+    group = comm.cpu_group
+    vllm_config = cfg = None
+    invalid = early = None  # an invalid setting; any other failure before the first exchange
+    try:
+        vllm_config = _current_vllm_config()
+        cfg = from_vllm(vllm_config)
+    except ConfigError as exc:
+        invalid = str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported through the agreed stage below
+        early = exc
+    invalid = agree(group, invalid)
+    if invalid is not None:
+        raise ConfigError(invalid)
+
+    def local():
+        if early is not None or cfg is None:
+            raise early or RuntimeError("no settings")
+        threshold = overrides.threshold or cfg.dma_min_bytes
+        sizing = overrides.sizing or sizing_from_vllm_config(vllm_config)
+        oneshot = OneShotBackend.from_vllm(getattr(comm, "fi_pcie_ipc_ar_comm", None), run=stock)
+        return threshold, sizing, oneshot, _hooks(overrides, cfg)
+
+    hooks = overrides.hooks
+    inputs = run_agreed(group, local, stage="adapter", hook=hooks.on_stage if hooks else None)
+    if not inputs.ok:
+        threshold = overrides.threshold or (cfg.dma_min_bytes if cfg is not None else "?")
+        return None, _stock_decision(str(threshold), cfg, f"k3-accel set-up failed ({inputs.failure})")
+    assert cfg is not None
+    threshold, sizing, oneshot, hooks = inputs.value
+    router = build_router(
+        group=group, device=comm.device, threshold=threshold, max_bytes=sizing.max_bytes,
+        fallback=stock, oneshot=oneshot, next_name=STOCK, capture_sizes=sizing.capture_sizes,
+        measure_dtype=sizing.model_dtype, hooks=hooks, cache_fields={"vllm": vllm_version()},
+        threshold_source="override" if overrides.threshold else cfg.source("dma_min_bytes"),
+        capturable=sizing.ring_in_graphs,
+    )
+    decision = router.decision
+    assert decision is not None
+    if sizing.note and router.dma is None:
+        decision = decision.with_reason(f"{decision.reason} ({sizing.note})")
+    # Without the ring the router adds nothing over stock: drop it (one branch per call).
+    return (router if router.dma is not None else None), decision
+
+
+def _stock_decision(threshold: str, cfg: Optional[K3Config], reason: str) -> RouterDecision:
+    source = cfg.source("dma_min_bytes") if cfg is not None else "dma_min_bytes"
+    return RouterDecision(STOCK, None, reason, threshold, threshold_source=source, failed=True)
 
 
 def _define() -> type:
@@ -140,41 +205,21 @@ def _define() -> type:
             return CudaCommunicator.all_reduce(self, t)
 
         def _k3_setup(self) -> None:
-            overrides = type(self).overrides or Overrides()
-            vllm_config = _current_vllm_config()
-            cfg = load_settings(vllm_config)
-            threshold = overrides.threshold or cfg.dma_min_bytes
-            sizing = overrides.sizing or sizing_from_vllm_config(vllm_config)
-            oneshot = OneShotBackend.from_vllm(
-                getattr(self, "fi_pcie_ipc_ar_comm", None), run=self._k3_stock_all_reduce
-            )
-            from k3_accel.vllm.compat import vllm_version
-
-            router = build_router(
-                group=self.cpu_group,
-                device=self.device,
-                threshold=threshold,
-                max_bytes=sizing.max_bytes,
-                fallback=self._k3_stock_all_reduce,
-                oneshot=oneshot,
-                next_name="VLLM_STOCK",
-                capture_sizes=sizing.capture_sizes,
-                measure_dtype=sizing.model_dtype,
-                exchange_group=self.cpu_group,
-                hooks=_hooks(overrides, cfg),
-                cache_fields={"vllm": vllm_version()},
-            )
-            decision = router.decision
-            if sizing.note and decision is not None and router.dma is None:
-                decision = RouterDecision(
-                    decision.backend, None, f"{decision.reason} ({sizing.note})", decision.threshold,
-                    decision.max_bytes, 0, decision.crossover,
+            """Never raises except for an invalid setting; logs the decision once (TP rank 0)."""
+            try:
+                self.k3_router, self.k3_decision = setup_router(
+                    self, self._k3_stock_all_reduce, type(self).overrides or Overrides()
                 )
-            self.k3_decision = decision
-            # Without the ring the router adds nothing over stock: drop it (one branch per call).
-            self.k3_router = router if router.dma is not None else None
-            if int(getattr(self, "rank_in_group", 0)) == 0 and decision is not None:
-                log.info("k3-accel TP group %s: %s", self.unique_name, decision.summary)
+            except ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. a peer died mid set-up: stay stock
+                self.k3_router = None
+                why = f"k3-accel set-up failed ({describe_error(exc)})"
+                self.k3_decision = _stock_decision("?", None, why)
+            decision = self.k3_decision
+            if int(getattr(self, "rank_in_group", 0)) == 0:
+                level = logging.WARNING if decision.failed else logging.INFO
+                log.log(level, "k3-accel TP group %s: %s", self.unique_name, decision.summary)
 
         # ------------------------------------------------------------ hot path
         def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
@@ -227,9 +272,39 @@ def _define() -> type:
                     return True
             return False
 
+        # ------------------------------------------------------- sleep mode
+        def suspend(self) -> None:
+            """Collective: release the ring's memory (kept if a CUDA graph holds it), then stock."""
+            router = self.k3_router
+            if router is not None:
+                self._k3_lifecycle("suspend", router.suspend)
+            stock = getattr(super(), "suspend", None)
+            if stock is not None:
+                stock()
+
+        def resume(self) -> None:
+            """Collective: stock first, then rebuild the ring on every rank or none."""
+            stock = getattr(super(), "resume", None)
+            if stock is not None:
+                stock()
+            router = self.k3_router
+            if router is not None:
+                self._k3_lifecycle("resume", router.resume)
+                if router.dma is None:
+                    self.k3_router = None  # not restored: stock from here on, on every rank
+
+        def _k3_lifecycle(self, what: str, step: Callable[[], str]) -> None:
+            try:
+                outcome = step()
+            except Exception as exc:  # noqa: BLE001 - sleep mode must not fail on the ring
+                outcome = f"failed ({describe_error(exc)}); stock from here on"
+                self.k3_router = None
+            if int(getattr(self, "rank_in_group", 0)) == 0:
+                log.info("k3-accel TP group %s %s: %s", self.unique_name, what, outcome)
+
         # ------------------------------------------------------------ teardown
         def destroy(self) -> None:
-            """Collective on the TP group: closes the ring on every rank, then stock teardown."""
+            """Closes the ring (bounded in time, never raises), then stock teardown."""
             router, self.k3_router = self.k3_router, None
             if router is not None:
                 router.close()
@@ -305,5 +380,5 @@ def install(platform_cls: Optional[type] = None) -> bool:
 # ``K3CudaCommunicator`` is also public; it is built lazily by ``__getattr__``.
 __all__ = [
     "Overrides", "QUALNAME", "STOCK_QUALNAME", "Sizing",
-    "install", "load_settings", "patch_platform", "sizing_from_vllm_config",
+    "install", "patch_platform", "setup_router", "sizing_from_vllm_config",
 ]
