@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 import torch
 
-from k3_accel.config import K3Config, load_config
+from k3_accel.config import from_vllm
 from k3_accel.transport.api import ClientSettings, StepInput, StepOutput
 
 log = logging.getLogger("k3_accel.vllm")
@@ -21,10 +21,6 @@ REMOTE_METHODS = ("dflash", "ngram")
 HIDDEN_METHODS = ("dflash",)
 # DFlash-method draft architectures that are not plain DFlash (vLLM drafts them with other code)
 _OTHER_DFLASH_ARCHS = ("DFlash2DraftModel", "DFlash2BeamDraftModel", "LiLiCorrDraftModel")
-
-
-def plugin_config(vllm_config: Any) -> K3Config:
-    return load_config(getattr(vllm_config, "additional_config", None) or {})
 
 
 def unserved_reason(spec: Any) -> str | None:
@@ -43,7 +39,7 @@ def remote_enabled(vllm_config: Any) -> bool:
     method is one the draft server serves; any other method keeps vLLM's own drafting
     (one warning that the address is ignored for it)."""
     spec = vllm_config.speculative_config
-    if spec is None or not plugin_config(vllm_config).draft_address:
+    if spec is None or not from_vllm(vllm_config).draft_address:
         return False
     why = unserved_reason(spec)
     if why is not None:
@@ -113,7 +109,7 @@ class RemoteDraftSession:
             from k3_accel.transport.client import DraftClient
             f = self.facts
             settings = ClientSettings.from_config(
-                plugin_config(vllm_config), max_rows=f.max_rows, context_width=f.context_width,
+                from_vllm(vllm_config), max_rows=f.max_rows, context_width=f.context_width,
                 hidden_dtype=f.hidden_dtype, num_speculative_tokens=f.num_speculative_tokens,
                 target_vocab_size=f.vocab_size, hidden_size=f.hidden_size if f.aux_layer_ids else 0,
                 aux_layer_ids=f.aux_layer_ids, max_requests=f.max_num_seqs,
