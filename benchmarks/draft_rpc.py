@@ -12,6 +12,7 @@ server and a raw pyzmq ping-pong of the same frames. Written into
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -50,6 +51,9 @@ def serve(port: int, quick: bool) -> None:
     service = DraftService(engine, store, ServerMetrics())
     loop = ServerLoop(service, f"tcp://127.0.0.1:{port}", 1 << 31, ctx=zmq.Context())
     print("ready", cfg.context_width, flush=True)
+    import gc
+    gc.collect()
+    gc.freeze()          # as k3-draft-server does once its engine is loaded
     loop.serve(threading.Event())
 
 
@@ -68,6 +72,8 @@ def run(b: int, k: int, context: int, iters: int, quick: bool) -> dict:
                                             max_rows=8192, context_width=width, hidden_dtype=dtype,
                                             num_speculative_tokens=k)).start()
         assert client.state.value == "ready", client.state
+        gc.collect()
+        gc.freeze()      # as vLLM's engine core does after start-up (vllm.utils.gc_utils.freeze_gc_heap)
         ids = [f"r{i}" for i in range(b)]
         per = max(1, 8192 // context)
         for lo in range(0, b, per):                                  # prefill: CONTEXT rows each

@@ -67,6 +67,9 @@ def serve(port: int, width: int) -> None:
     service = DraftService(engine, store, ServerMetrics(), max_message_bytes=1 << 31)
     loop = ServerLoop(service, f"tcp://127.0.0.1:{port}", 1 << 31, ctx=zmq.Context())
     print("ready", flush=True)
+    import gc
+    gc.collect()
+    gc.freeze()          # as k3-draft-server does once its engine is loaded
     loop.serve(threading.Event())
 
 

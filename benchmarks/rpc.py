@@ -14,6 +14,7 @@ ratio is the worst of them over tcp.
 from __future__ import annotations
 
 import argparse
+import gc
 import datetime
 import json
 import os
@@ -135,6 +136,8 @@ def client_round_trips(address: str, b: int, k: int, iters: int, device: torch.d
     client = DraftClient(ClientSettings(address=address, timeout_ms=30000, max_rows=max(CONTEXT * b, 1024),
                                         num_speculative_tokens=k)).start()
     assert client.state.value == "ready"
+    gc.collect()
+    gc.freeze()          # as vLLM's engine core does after start-up (vllm.utils.gc_utils.freeze_gc_heap)
     prefill = step_input(b, k, 0, CONTEXT, device)
     prefill.sampled = [False] * b
     client.step(prefill)

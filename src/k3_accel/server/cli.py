@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import re
 import signal
@@ -180,6 +181,9 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> None:
                               ctx=ctx, curve=curve, lease_s=args.lease_s)
         except zmq.ZMQError as exc:
             raise StartupError(f"cannot bind {args.host}:{args.port}: {exc}") from None
+        gc.collect()
+        gc.freeze()     # the startup heap (torch, weights, modules) is never scanned again: a full
+        #                 collection over it costs tens of ms, paid by whichever propose triggers it
         log.info("k3-draft-server ready: engine=%s endpoint=%s server_id=%s pool=%d blocks x %d rows",
                  engine.caps.kind, loop.endpoint, service.server_id, engine.pool.num_blocks,
                  engine.pool.block_rows)

@@ -60,7 +60,12 @@ class NgramState:
             self.tokens = grown
         self.tokens[start:end] = new
         self.length = end
-        if self.packed and len(new) and (int(new.max()) >= _PACKABLE or int(new.min()) < 0):
+        if len(new) <= _SMALL:
+            values = new.tolist()
+            large = bool(values) and (max(values) >= _PACKABLE or min(values) < 0)
+        else:
+            large = bool(len(new)) and (int(new.max()) >= _PACKABLE or int(new.min()) < 0)
+        if self.packed and large:
             self.packed = False
             self._index(0, end)                      # re-key everything as tuples
         else:
