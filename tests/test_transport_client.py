@@ -343,3 +343,27 @@ def test_out_of_vocab_drafts_are_dropped(server, client_factory, caplog):
     out = client.step(rows(ids, [(5, [3]), (4, [6]), (4, [8])], anchors=[1, 9, 9]))
     assert out.drafts[0].tolist() == expected_drafts(histories["ok"] + [3], 1)
     assert caplog.text.count("outside the target's vocabulary") == 1     # logged once
+
+
+def test_requests_beyond_the_servers_limit_are_not_drafted_and_not_errors(client_factory):
+    """More running requests than the server admits per client: the excess is counted and
+    simply not drafted; no error storm, and a slot freed by a finished request is reused."""
+    srv = ServerProcess("--engine", "ngram", "--max-requests", "2")
+    try:
+        client = client_factory(srv.address)
+        assert client.caps.max_requests == 2
+        ids = ["a", "b", "c", "d"]
+        out = client.step(rows(ids, [(0, [1, 2, 1])] * 4, anchors=[2] * 4))
+        assert out.drafts[:2].tolist() == [expected_drafts([1, 2, 1], 2)] * 2
+        assert out.drafts[2:].tolist() == [[-1] * K] * 2
+        out = client.step(rows(ids, [(3, [2])] * 4, anchors=[1] * 4))
+        assert out.drafts[2:].tolist() == [[-1] * K] * 2
+        counters = client.stats()["counters"]
+        assert counters["over_capacity"] == 2 and not any(k.startswith("failures.") for k in counters)
+        client.finish(["a"])
+        out = client.step(rows(["e"], [(0, [4, 5, 4])], anchors=[5]))     # a's slot is free again
+        assert out.drafts[0].tolist() == expected_drafts([4, 5, 4], 5)
+        client.flush()
+        assert client.server_stats()["errors"] == {}
+    finally:
+        srv.stop()

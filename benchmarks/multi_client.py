@@ -1,0 +1,145 @@
+"""One draft server, several targets: 4 clients x B=8 against 1 client x B=32 on the same engine.
+
+Each client is its own process with its own session (like separate vLLM
+instances), stepping decode proposes (one new row per request, K drafts) in
+a closed loop for a fixed time. Reported per setup: the server's engine calls
+per second and requests drafted per second (from its ``stats``), the
+requests per engine call (cross-client batching merges proposes that wait
+together), and each client's median round trip. The engine is the server's
+ngram engine by default (CPU, any machine) or a GPU DFlash engine with the
+draft_step.py shapes (``--engine dflash``). Prints one JSON document; the
+summary ratio is (4 x 8 throughput) / (1 x 32 throughput) in drafted
+requests per second (goal >= 0.9: batching keeps several small targets as
+cheap as one large one).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]
+
+from report import emit  # noqa: E402
+from rpc import env, free_port  # noqa: E402
+
+
+def start_server(engine: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    if engine == "ngram":
+        http = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "k3_accel.server.cli", "--engine", "ngram", "--port",
+                                 str(port), "--http-port", str(http), "--log-level", "WARNING"], env=env())
+        import urllib.request
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/readyz", timeout=1):
+                    return proc, f"tcp://127.0.0.1:{port}"
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("server not ready")
+    proc = subprocess.Popen([sys.executable, str(HERE / "draft_rpc.py"), "--serve", str(port)], env=env(),
+                            stdout=subprocess.PIPE, text=True)
+    if not proc.stdout.readline().startswith("ready"):
+        raise RuntimeError("server not ready")
+    return proc, f"tcp://127.0.0.1:{port}"
+
+
+def client(address: str, name: str, b: int, k: int, width: int, seconds: float, start_at: float, queue) -> None:
+    import gc
+    from k3_accel.transport.api import ClientSettings, StepInput
+    from k3_accel.transport.client import DraftClient
+    dev = torch.device("cuda" if width and torch.cuda.is_available() else "cpu")
+    c = DraftClient(ClientSettings(address=address, timeout_ms=60000, max_rows=8192, context_width=width,
+                                   num_speculative_tokens=k, client_name=name)).start()
+    gc.collect()
+    gc.freeze()
+    ids, ctx = [f"{name}-{i}" for i in range(b)], 256
+    hidden = (lambda n: torch.randn(n, width, device=dev, dtype=torch.bfloat16)) if width else (lambda n: None)
+    c.step(StepInput(ids, [ctx] * b, torch.arange(ctx).repeat(b), (torch.arange(ctx) % 17).repeat(b), [False] * b,
+                     [1] * b, [ctx] * b, k=k, hidden=hidden(b * ctx)))
+    c.flush()
+    times, pos = [], ctx
+    while time.time() < start_at:
+        time.sleep(0.001)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        inp = StepInput(ids, [1] * b, torch.full((b,), pos), torch.full((b,), pos % 17), [True] * b,
+                        [(pos + 1) % 17] * b, [pos + 1] * b, k=k, hidden=hidden(b))
+        t0 = time.perf_counter()
+        c.step(inp)
+        times.append(time.perf_counter() - t0)
+        pos += 1
+    failures = {n: v for n, v in c.stats()["counters"].items() if n.startswith("failures.")}
+    c.close()
+    queue.put({"client": name, "steps": len(times), "round_trip_median_ms": statistics.median(times) * 1e3,
+               "failures": failures})
+
+
+def run(engine: str, clients: int, b: int, k: int, seconds: float) -> dict:
+    proc, address = start_server(engine)
+    width = 0
+    try:
+        from k3_accel.transport.api import ClientSettings
+        from k3_accel.transport.client import DraftClient
+        probe = DraftClient(ClientSettings(address=address, timeout_ms=60000)).start()
+        width = probe.caps.context_width
+        before = probe.server_stats()
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        start_at = time.time() + 15.0
+        procs = [ctx.Process(target=client, args=(address, f"t{i}", b, k, width, seconds, start_at, queue))
+                 for i in range(clients)]
+        for p in procs:
+            p.start()
+        results = [queue.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join(60)
+        after = probe.server_stats()
+        probe.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    calls = after["engine_batches"] - before["engine_batches"]
+    drafted = after["proposals"] - before["proposals"]
+    steps = sum(r["steps"] for r in results)
+    return {"clients": clients, "B": b, "K": k, "engine": engine, "seconds": seconds,
+            "engine_calls_per_s": calls / seconds, "drafted_requests_per_s": drafted / seconds,
+            "requests_per_engine_call": drafted / max(calls, 1), "client_steps": steps,
+            "round_trip_median_ms": {r["client"]: round(r["round_trip_median_ms"], 3) for r in results},
+            "failures": {r["client"]: r["failures"] for r in results if r["failures"]}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=["ngram", "dflash"], default="ngram")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    one = run(args.engine, 1, 32, args.k, args.seconds)
+    four = run(args.engine, 4, 8, args.k, args.seconds)
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    doc = {"summary": {"metric": f"drafted requests/s, 4 clients x B=8 / 1 client x B=32 ({args.engine} engine, "
+                                 f"K={args.k}, one server)",
+                       "ratio": round(four["drafted_requests_per_s"] / one["drafted_requests_per_s"], 4),
+                       "goal": 0.9,
+                       "machine": f"{platform.machine()}, {os.cpu_count()} CPUs{gpu}, torch {torch.__version__}",
+                       "date": datetime.date.today().isoformat()},
+           "table": [one, four]}
+    emit(doc, args.out)
+
+
+if __name__ == "__main__":
+    main()
