@@ -3,11 +3,11 @@ from __future__ import annotations
 
 CLIENT_PHASES = ("stage", "d2h", "enqueue", "wait", "round_trip", "step")
 MAIN = ("long prompt", "prompts")          # the rounds acceptance and speed are read from
-SPEED = ("  Here the target is a tiny model on a shared CPU: a target step is short, not memory-bound,\n"
-         "  and the draft server competes with it for the same cores, so a drafting step costs more\n"
-         "  than the target steps it saves. Speed-ups need a large target on a GPU, where a step is\n"
-         "  memory-bound and checking K+1 tokens costs about as much as one, and the draft on its own\n"
-         "  device; measured GPU numbers: docs/benchmarks.md.")
+SPEED = ("  These timings say nothing about speed-ups: the target here is a tiny model on a CPU, where\n"
+         "  a step is cheap and not memory-bound, and the draft server shares the same cores. Drafting\n"
+         "  pays off when the target is a large model on a GPU, where a step is memory-bound (checking\n"
+         "  K+1 tokens costs about as much as one) and the draft runs on its own device; what was\n"
+         "  measured on GPUs: docs/benchmarks.md.")
 CHECKPOINTS = {
     "trained": "tiny, built here: a 4-layer Qwen3 target trained {target_s} on a built-in paragraph, "
                "a DFlash draft distilled from it{draft}",
