@@ -33,11 +33,10 @@ def _pick(rounds: list[dict], labels: tuple[str, ...]) -> list[dict]:
 def merge_rounds(rounds: list[dict]) -> dict:
     """Rounds as one: outputs concatenated, counters summed, the last round's stats."""
     last = rounds[-1]
-    spec = {k: sum(r["spec"][k] for r in rounds) for k in last["spec"] if k != "accepted_per_pos"}
-    width = max((len(r["spec"].get("accepted_per_pos", [])) for r in rounds), default=0)
-    spec["accepted_per_pos"] = [sum((r["spec"].get("accepted_per_pos") or [0] * width)[i] for r in rounds)
-                                for i in range(width)]
-    return {"outputs": [o for r in rounds for o in r["outputs"]], "spec": spec,
+    spec = {k: sum(r["spec"][k] for r in rounds) for k in last["spec"]}
+    width = max((len(r.get("accepted_per_pos") or []) for r in rounds), default=0)
+    per_pos = [sum((r.get("accepted_per_pos") or [0] * width)[i] for r in rounds) for i in range(width)]
+    return {"outputs": [o for r in rounds for o in r["outputs"]], "spec": spec, "accepted_per_pos": per_pos,
             "generate_s": sum(r["generate_s"] for r in rounds), "steps": sum(r["steps"] for r in rounds),
             "client": last.get("client"), "server": last.get("server")}
 
@@ -46,14 +45,15 @@ def _counter(rnd: dict | None, name: str) -> int:
     return ((rnd or {}).get("client") or {}).get("counters", {}).get(name, 0)
 
 
-def _acceptance(spec: dict, untrained: bool) -> str:
+def _acceptance(merged: dict, untrained: bool) -> str:
+    spec = merged["spec"]
     drafted, accepted, drafts = spec["draft_tokens"], spec["accepted"], spec.get("drafts", 0)
     if not drafted:
         return "NO: no draft tokens were proposed"
     line = (f"{'yes' if accepted else 'NO'}: {accepted} of {drafted} draft tokens ({accepted / drafted:.1%})")
     if drafts:
         k = drafted / drafts
-        per_pos = " ".join(f"{a / drafts:.0%}" for a in spec.get("accepted_per_pos", []))
+        per_pos = " ".join(f"{a / drafts:.0%}" for a in merged["accepted_per_pos"])
         line += (f"; {accepted / drafts:.2f} of {k:.0f} accepted per step ({1 + accepted / drafts:.2f} tokens "
                  f"per target step)" + (f"; by draft position: {per_pos}" if per_pos else ""))
     if untrained:
@@ -107,7 +107,7 @@ def format_report(result: dict, engine: str, tiny: str | None, workdir: str | No
         "What this CPU run shows",
         f"  identical outputs  {'yes' if all_same else 'NO'}: {prompts} prompts in {len(w_rounds)} rounds, {tokens} "
         "tokens, the same with and without remote drafting (greedy)",
-        f"  drafts accepted    {_acceptance(spec, tiny == 'untrained')}",
+        f"  drafts accepted    {_acceptance(with_, tiny == 'untrained')}",
         f"  deferred ingest    {'yes' if deferred else 'NOT SEEN'}: {deferred} prefill chunks of the long prompt "
         "went to the draft server without the target waiting for it",
         f"  fails closed       {_fail_closed(by_label, main[-1])}",

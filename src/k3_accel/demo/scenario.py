@@ -151,7 +151,8 @@ def _run_round(llm: Any, tag: str, rnd: Round, server: DraftServer | None) -> di
     return {"label": rnd.label, "outputs": [list(outputs[i].outputs[0].token_ids) for i in ids],
             "prompt_token_ids": [list(outputs[i].prompt_token_ids) for i in ids],
             "texts": [outputs[i].outputs[0].text for i in ids], "steps": step, "generate_s": elapsed,
-            "spec": _spec_delta(before, after),
+            "spec": {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS.values()},
+            "accepted_per_pos": _per_position(before, after),
             "client": _drafter_stats(llm),
             "server": _server_stats(server) if server and rnd.probe_server else None}
 
@@ -190,14 +191,11 @@ def _spec_counters(llm: Any) -> dict[str, Any]:
     return found
 
 
-def _spec_delta(before: dict, after: dict) -> dict[str, Any]:
-    """This round's spec-decode counters: ``drafts``, ``draft_tokens``, ``accepted``
-    and ``accepted_per_pos`` (accepted at draft position 1..K; empty without speculation)."""
-    delta: dict[str, Any] = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS.values()}
+def _per_position(before: dict, after: dict) -> list[int]:
+    """This round's accepted draft tokens at draft position 1..K (empty without speculation)."""
     pos_after, pos_before = after.get("accepted_per_pos", []), before.get("accepted_per_pos", [])
     pos_before = pos_before + [0] * (len(pos_after) - len(pos_before))
-    delta["accepted_per_pos"] = [a - b for a, b in zip(pos_after, pos_before)]
-    return delta
+    return [a - b for a, b in zip(pos_after, pos_before)]
 
 
 def _drafter_of(worker: Any) -> dict:
