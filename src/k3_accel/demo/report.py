@@ -80,8 +80,8 @@ def _checkpoints(result: dict, tiny: str | None) -> str:
         return "your checkpoints"
     build = result.get("build", {})
     target, draft = build.get("target", {}), build.get("draft")
-    draft_text = "" if not draft else (f" in {draft['total_s']:.0f} s (held-out acceptance at K={draft['settings']['k']}: "
-                                       f"{draft['acceptance']:.0%})")
+    draft_text = "" if not draft else (f" in {draft['total_s']:.0f} s (held-out acceptance at "
+                                       f"K={draft['settings']['k']}: {draft['acceptance']:.0%})")
     return CHECKPOINTS[tiny].format(target_s=f"in {target.get('train_s', 0):.0f} s", draft=draft_text)
 
 

@@ -203,7 +203,10 @@ def _cached(out: Path, fingerprint: str) -> DistillReport | None:
         return None
     if data.get("fingerprint") != fingerprint or not (out / "model.safetensors").is_file():
         return None
-    return DistillReport(**{**data, "cached": True})
+    try:
+        return DistillReport(**{**data, "cached": True})
+    except TypeError:                      # written by another version: train again
+        return None
 
 
 def _jsonable(settings: DistillSettings) -> dict:
