@@ -52,7 +52,7 @@ def test_demo_rejects_untrained_with_real_checkpoints(capsys, tmp_path):
 @pytest.mark.parametrize("engine", ["ngram", "dflash"])
 def test_demo_runs_with_no_flags_but_the_engine(engine, tmp_path):
     run = subprocess.run([*_cli(), "demo", "--engine", engine], capture_output=True, text=True, cwd=tmp_path,
-                         env=child_env({"TMPDIR": str(tmp_path)}), timeout=900)
+                         env=child_env({"TMPDIR": str(tmp_path)}), timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     report = run.stdout
     assert f"{engine} engine" in report and "trained in" in report and "/metrics" in report
