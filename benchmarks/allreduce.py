@@ -120,13 +120,7 @@ def main() -> int:
     parser.add_argument("--machine", default="h200x2")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--iters", type=int, default=40)
-    parser.add_argument("--replot", metavar="JSON", help="only redraw the PNG from a result JSON")
     args = parser.parse_args()
-    if args.replot:
-        data = json.loads(Path(args.replot).read_text())
-        plot(data["rows"], Path(args.replot).with_suffix(".png"), data["summary"],
-             data["router_decision"]["backend"])
-        return 0
 
     from k3_accel.comm.crossover import CrossoverCache
     from k3_accel.comm.build import RouterHooks, build_router
@@ -253,7 +247,6 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"allreduce-{args.machine}.json"
         path.write_text(json.dumps(result, indent=1))
-        plot(rows, out / f"allreduce-{args.machine}.png", result["summary"], decision.backend)
         print(f"{'bytes':>10} {'nccl':>8} {'dma':>8} {'router':>8} {'dma-g':>8} {'best/rtr':>8} route")
         for r in rows:
             print(f"{r['bytes']:>10} {r['nccl_ms']:8.3f} {r['dma_ms']:8.3f} {r['router_ms']:8.3f} "
@@ -262,40 +255,10 @@ def main() -> int:
         print("router:", decision.summary)
         print("CE peer GB/s:", ce_gbps)
         print("router host overhead ns:", result["router_host_overhead_ns"])
+        print(f"plot: python benchmarks/plot.py (reads {path})")
     dist.barrier()
     dist.destroy_process_group()
     return 0
-
-
-def plot(rows, path, summary, router_backend):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot", file=sys.stderr)
-        return
-    x = [r["bytes"] / MiB for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for key, label, style, color in (
-        ("nccl_ms", "NCCL, eager (= stock here)", "o-", "C0"),
-        ("nccl_graph_ms", "NCCL, CUDA-graph replay", "o--", "C0"),
-        ("dma_ms", "b12x DMA ring, eager", "s-", "C1"),
-        ("dma_graph_ms", "b12x DMA ring, CUDA-graph replay", "s--", "C1"),
-        ("router_ms", f"router, eager (auto chose {router_backend})", "x-", "C3"),
-    ):
-        ax.plot(x, [r[key] for r in rows], style, label=label, color=color)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("all-reduce size (MiB, bf16)")
-    ax.set_ylabel("time (ms, median)")
-    ax.set_title(f"{summary['machine']}: best single / router >= {summary['ratio']:.3f} (goal 0.97)",
-                 fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +41,12 @@ def test_demo_rejects_a_draft_without_a_target(capsys):
     assert "--draft needs --target" in capsys.readouterr().err
 
 
+def test_demo_rejects_untrained_with_real_checkpoints(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["demo", "--untrained", "--engine", "ngram", "--target", str(tmp_path)]) == 2
+    assert "--untrained applies to the tiny checkpoints" in capsys.readouterr().err
+
+
 @pytest.mark.e2e
 @pytest.mark.vllm
 @pytest.mark.parametrize("engine", ["ngram", "dflash"])
@@ -50,8 +55,11 @@ def test_demo_runs_with_no_flags_but_the_engine(engine, tmp_path):
                          env=child_env({"TMPDIR": str(tmp_path)}), timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     report = run.stdout
-    assert "outputs identical with and without remote drafting: yes" in report
-    assert f"{engine} engine" in report and "/metrics" in report
-    assert "deferred ingests" in report and "per step, client means" in report
+    assert f"{engine} engine" in report and "trained in" in report and "/metrics" in report
+    for verdict in ("identical outputs  yes", "deferred ingest    yes", "fails closed       yes"):
+        assert verdict in report, report
+    if engine == "dflash":   # the distilled draft: accepted drafts (typically ~30 %), never none
+        assert "drafts accepted    yes" in report and "distilled from it" in report, report
+    assert "What it cannot show: speed" in report and "client means" in report
     assert "temp files removed" in report
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("k3-demo-")]   # cleaned up

@@ -10,12 +10,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="k3-accel", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the same prompts through vLLM with remote drafting and without",
-                          description="Builds tiny checkpoints (no downloads), starts a draft server, runs "
-                                      "vLLM with and without remote drafting and prints a short report.")
+                          description="Builds tiny checkpoints (no downloads: a tiny target trained for seconds on "
+                                      "a built-in paragraph and a DFlash draft distilled from it), starts a draft "
+                                      "server, runs vLLM with and without remote drafting (killing and restarting "
+                                      "the server in the middle) and reports what the run shows.")
     demo.add_argument("--engine", choices=["dflash", "ngram"], default="dflash",
                       help="draft server engine: dflash (block drafting, ships hidden states) or ngram")
     demo.add_argument("--target", metavar="DIR", help="a real target checkpoint instead of the tiny one")
     demo.add_argument("--draft", metavar="DIR", help="a real DFlash draft checkpoint for --target")
+    demo.add_argument("--untrained", action="store_true",
+                      help="random tiny target and draft, nothing trained (faster; drafts are almost never accepted)")
     demo.add_argument("--keep", action="store_true", help="keep the temp dir (checkpoints, logs)")
     demo.add_argument("--json", action="store_true", help="print the raw result as JSON")
     probe = sub.add_parser("probe", help="hello + stats to a running draft server; prints JSON")
@@ -30,7 +34,7 @@ def _demo(args: argparse.Namespace) -> int:
     from k3_accel.demo.child import ChildError
     from k3_accel.demo.main import DemoError, DemoOptions, run_demo
     try:
-        return run_demo(DemoOptions(args.engine, args.target, args.draft, args.keep, args.json))
+        return run_demo(DemoOptions(args.engine, args.target, args.draft, args.keep, args.json, args.untrained))
     except (DemoError, ChildError) as exc:
         print(f"k3-accel demo: {exc}", file=sys.stderr)
         return 2

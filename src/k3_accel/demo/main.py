@@ -1,9 +1,12 @@
 """``k3-accel demo``: the same prompts through vLLM with remote drafting and without.
 
-With no options it builds a tiny random Qwen3 target and a tiny DFlash draft
-in a temp dir (no downloads), starts a ``k3-draft-server`` child, runs both
-engines in one fresh child process (vLLM in-process, eager, greedy) and
-prints a short report. ``--engine ngram`` drafts by prompt lookup instead
+With no options it builds tiny checkpoints in a temp dir (no downloads; see
+:mod:`k3_accel.demo.checkpoints`: a tiny Qwen3 target trained for seconds on
+a built-in paragraph and a DFlash draft distilled from it; ``--untrained``:
+both random), starts a ``k3-draft-server`` child, runs both engines in one
+fresh child process (vLLM in-process, eager, greedy) over the same rounds of
+prompts, SIGKILLs the draft server in the middle of one round and restarts
+it, and prints a report. ``--engine ngram`` drafts by prompt lookup instead
 (no draft checkpoint); ``--target/--draft`` use real checkpoints.
 """
 from __future__ import annotations
@@ -18,9 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from k3_accel.demo.checkpoints import build_info, build_tiny
 from k3_accel.demo.child import run_in_child
 from k3_accel.demo.report import format_report
 from k3_accel.demo.scenario import Round, Run, Scenario
+
+__all__ = ["DemoError", "DemoOptions", "build_tiny", "demo_scenario", "run_demo"]
 
 NUM_SPEC_TOKENS = 4
 PROMPTS = [
@@ -30,6 +36,13 @@ PROMPTS = [
     "Bread, cheese, apples, milk, honey and tea were sold at the shop. Bread, cheese, apples,",
 ]
 LONG_PROMPT = " ".join(["Once upon a time there was a little village near a quiet river."] * 12)
+CRASH_PROMPTS = ["The children went to school", "Water boils at one hundred degrees"]
+WARM_UP = ["The library opened its doors at nine o'clock"]
+RECOVERED = ["Music played softly while the rain fell", "Numbers like one, two, three"]
+KILL_STEP = 4
+# after the restart: longer than the transport's longest ZMQ reconnect interval (5 s), so the
+# client's socket is connected again before the warm-up's remaining steps let it say hello
+RECONNECT_WAIT_S = 6.0
 TINY_ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 128, "max_num_seqs": 8, "dtype": "float32"}
 REAL_ENGINE = {"max_model_len": 2048, "max_num_batched_tokens": 256, "max_num_seqs": 8}
 
@@ -45,10 +58,13 @@ class DemoOptions:
     draft: str | None = None
     keep: bool = False                # keep the temp dir (checkpoints, logs)
     as_json: bool = False
+    untrained: bool = False           # random tiny checkpoints (nothing trained)
 
     def check(self) -> None:
         if self.engine not in ("dflash", "ngram"):
             raise DemoError(f"--engine {self.engine!r}: expected dflash or ngram")
+        if self.untrained and self.target:
+            raise DemoError("--untrained applies to the tiny checkpoints, not to --target/--draft")
         if self.draft and not self.target:
             raise DemoError("--draft needs --target (the draft shares the target's embeddings)")
         if self.target and self.engine == "dflash" and not self.draft:
@@ -74,21 +90,30 @@ def server_args(engine: str, target: str, draft: str | None) -> list[str]:
             "--num-speculative-tokens", str(NUM_SPEC_TOKENS)]
 
 
-def build_tiny(workdir: Path, with_draft: bool = True) -> tuple[str, str | None]:
-    """A tiny random target (and DFlash draft) under ``workdir``."""
-    from k3_accel.testing.tiny import write_tiny_dflash, write_tiny_target
-    target = write_tiny_target(workdir / "target")
-    draft = write_tiny_dflash(workdir / "draft", target) if with_draft else None
-    return str(target), None if draft is None else str(draft)
+def demo_rounds(faults: bool) -> list[Round]:
+    """The long prompt alone first (its prefill chunks are pure context steps:
+    deferred ingests), the prompts, then (with ``faults``) a round during which
+    the draft server is SIGKILLed, a warm-up during which it restarts, and a
+    round that drafts again. Without ``faults``: the same prompts, no actions."""
+    def act(*actions: dict) -> list[dict]:
+        return list(actions) if faults else []
+    return [
+        Round([LONG_PROMPT], max_tokens=16, label="long prompt"),
+        Round(PROMPTS, max_tokens=32, label="prompts"),
+        Round(CRASH_PROMPTS, max_tokens=24, actions=act({"step": KILL_STEP, "do": "kill"}), probe_server=False,
+              label="crash"),
+        Round(WARM_UP, max_tokens=24, label="restart",
+              actions=act({"step": 0, "do": "restart"}, {"step": 1, "do": "sleep", "seconds": RECONNECT_WAIT_S})),
+        Round(RECOVERED, max_tokens=24, label="recovered"),
+    ]
 
 
 def demo_scenario(opts: DemoOptions, target: str, draft: str | None, workdir: Path) -> Scenario:
-    # the long prompt alone first: its prefill chunks are pure context steps (deferred ingests)
-    rounds = [Round([LONG_PROMPT], max_tokens=16), Round(PROMPTS, max_tokens=32)]
     return Scenario(target=target, workdir=str(workdir), server_args=server_args(opts.engine, target, draft),
                     engine=dict(TINY_ENGINE if opts.target is None else REAL_ENGINE),
-                    runs=[Run("without", rounds),
-                          Run("with", rounds, speculative=speculative_config(opts.engine, draft), remote=True)])
+                    runs=[Run("without", demo_rounds(faults=False)),
+                          Run("with", demo_rounds(faults=True), speculative=speculative_config(opts.engine, draft),
+                              remote=True)])
 
 
 def run_demo(opts: DemoOptions, out: TextIO = sys.stdout) -> int:
@@ -98,22 +123,28 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout) -> int:
     try:
         t0 = time.perf_counter()
         if opts.target is None:
-            target, draft = build_tiny(workdir, with_draft=opts.engine == "dflash")
+            target, draft = build_tiny(workdir, with_draft=opts.engine == "dflash", trained=not opts.untrained,
+                                       k=NUM_SPEC_TOKENS, log=_progress)
         else:
             target, draft = opts.target, opts.draft
         build_s = time.perf_counter() - t0
+        _progress("running vLLM without and with remote drafting (two engine starts, ~15 s each) ...")
         result = run_in_child(demo_scenario(opts, target, draft, workdir), timeout=1800)
-        result["build_s"] = build_s
+        result.update(build_s=build_s, build=build_info(target, draft))
         if opts.as_json:
             out.write(json.dumps(result, indent=1) + "\n")
         else:
-            out.write(format_report(result, opts.engine, tiny=opts.target is None,
-                                    workdir=str(workdir) if opts.keep else None))
+            tiny = "untrained" if opts.untrained else "trained" if opts.target is None else None
+            out.write(format_report(result, opts.engine, tiny=tiny, workdir=str(workdir) if opts.keep else None))
         with_, without = ([x["outputs"] for x in r["rounds"]] for r in _by_name(result, "with", "without"))
         return 0 if with_ == without else 1
     finally:
         if not opts.keep:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _progress(message: str) -> None:
+    print(f"k3-accel demo: {message}", file=sys.stderr, flush=True)
 
 
 def _by_name(result: dict, *names: str) -> list[dict]:

@@ -23,6 +23,7 @@ from k3_accel.demo.server import DraftServer
 ACTIONS = ("kill", "stop", "cont", "restart", "sleep")
 SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens": "accepted"}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"     # a vector: accepted at draft position i
 
 
 class ScenarioError(ValueError):
@@ -36,6 +37,7 @@ class Round:
     # {"step": N, "do": kill|stop|cont|restart} or {"step": N, "do": "sleep", "seconds": S}
     actions: list[dict] = field(default_factory=list)
     probe_server: bool = True                # read the server's stats after the round
+    label: str = ""                          # what the round is for (reports)
 
 
 @dataclass
@@ -146,10 +148,11 @@ def _run_round(llm: Any, tag: str, rnd: Round, server: DraftServer | None) -> di
         step += 1
     elapsed = time.perf_counter() - t0
     after = _spec_counters(llm)
-    return {"outputs": [list(outputs[i].outputs[0].token_ids) for i in ids],
+    return {"label": rnd.label, "outputs": [list(outputs[i].outputs[0].token_ids) for i in ids],
             "prompt_token_ids": [list(outputs[i].prompt_token_ids) for i in ids],
             "texts": [outputs[i].outputs[0].text for i in ids], "steps": step, "generate_s": elapsed,
             "spec": {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS.values()},
+            "accepted_per_pos": _per_position(before, after),
             "client": _drafter_stats(llm),
             "server": _server_stats(server) if server and rnd.probe_server else None}
 
@@ -177,13 +180,22 @@ def _act(server: DraftServer | None, action: dict) -> None:
         server.restart()
 
 
-def _spec_counters(llm: Any) -> dict[str, int]:
-    found: dict[str, int] = {}
+def _spec_counters(llm: Any) -> dict[str, Any]:
+    found: dict[str, Any] = {}
     for metric in llm.get_metrics():
         name = SPEC_COUNTERS.get(metric.name)
         if name is not None and hasattr(metric, "value"):
             found[name] = int(metric.value or 0)
+        elif metric.name == PER_POSITION and hasattr(metric, "values"):
+            found["accepted_per_pos"] = [int(v) for v in metric.values]
     return found
+
+
+def _per_position(before: dict, after: dict) -> list[int]:
+    """This round's accepted draft tokens at draft position 1..K (empty without speculation)."""
+    pos_after, pos_before = after.get("accepted_per_pos", []), before.get("accepted_per_pos", [])
+    pos_before = pos_before + [0] * (len(pos_after) - len(pos_before))
+    return [a - b for a, b in zip(pos_after, pos_before)]
 
 
 def _drafter_of(worker: Any) -> dict:

@@ -5,7 +5,9 @@
   ``tokenizers`` package is importable, a byte-level BPE tokenizer trained
   in-process with exactly ``vocab_size`` entries).
 * :func:`write_tiny_dflash`: a DFlash draft for such a target, in the layout
-  vLLM's ``qwen3_dflash`` loads (unprefixed tensor names, ``dflash_config``).
+  vLLM's ``qwen3_dflash`` loads (unprefixed tensor names, ``dflash_config``);
+  :func:`tiny_dflash_weights` gives its tensors without writing them and
+  :func:`write_dflash` writes given (e.g. trained) tensors in that layout.
 
 Special ids: ``<|endoftext|>`` = 0 (bos/eos/pad), ``<|mask|>`` = vocab_size-1
 (the draft's ``mask_token_id``).
@@ -158,12 +160,8 @@ def write_tiny_target(dir: str | Path, *, vocab_size: int = 512, hidden_size: in
 
 # ------------------------------------------------------------------ draft ---
 
-def write_tiny_dflash(dir: str | Path, target_dir: str | Path, *, num_layers: int = 2,
-                      target_layer_ids: tuple[int, ...] = (0, 2), block_size: int = 8,
-                      intermediate_size: int = 256, seed: int = 1, attention_bias: bool = False,
-                      causal: bool | None = None, logit_scale: float | None = None,
-                      value_scale: float | None = None, draft_vocab_size: int | None = None,
-                      distinct_k_norm: bool = False, dtype: str = "float32") -> Path:
+def write_tiny_dflash(dir: str | Path, target_dir: str | Path, *, dtype: str = "float32",
+                      **options: Any) -> Path:
     """Write a random DFlash draft for the target in ``target_dir``; returns the path.
 
     Same hidden size and attention shape as the target; embed/lm_head are not
@@ -177,11 +175,32 @@ def write_tiny_dflash(dir: str | Path, target_dir: str | Path, *, num_layers: in
     ``_C.rms_norm`` applies row 0 of the stacked per-layer k_norm weights to
     every layer's context keys, so only a shared k_norm lets vLLM's in-tree
     CPU proposer agree with the true math. ``distinct_k_norm=True`` draws one
-    per layer.
+    per layer. ``options`` are :func:`tiny_dflash_weights`'s.
     """
-    target = json.loads((Path(target_dir) / "config.json").read_text())
+    tensors, config = tiny_dflash_weights(target_dir, **options)
+    return write_dflash(dir, tensors, config, dtype)
+
+
+def write_dflash(dir: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                 dtype: str = "float32") -> Path:
+    """Write a DFlash checkpoint (``model.safetensors`` + ``config.json``) from
+    given tensors and config, in ``dtype``; returns the path."""
     out = Path(dir)
     out.mkdir(parents=True, exist_ok=True)
+    _save(out, tensors, dtype)
+    _write_json(out / "config.json", {**config, "torch_dtype": dtype})
+    return out
+
+
+def tiny_dflash_weights(target_dir: str | Path, *, num_layers: int = 2,
+                        target_layer_ids: tuple[int, ...] = (0, 2), block_size: int = 8,
+                        intermediate_size: int = 256, seed: int = 1, attention_bias: bool = False,
+                        causal: bool | None = None, logit_scale: float | None = None,
+                        value_scale: float | None = None, draft_vocab_size: int | None = None,
+                        distinct_k_norm: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The random tensors (fp32) and ``config.json`` dict that
+    :func:`write_tiny_dflash` writes, without writing them."""
+    target = json.loads((Path(target_dir) / "config.json").read_text())
     gen = torch.Generator().manual_seed(seed)
     h, vocab, hd = target["hidden_size"], target["vocab_size"], target["head_dim"]
     q, kv = target["num_attention_heads"] * hd, target["num_key_value_heads"] * hd
@@ -222,7 +241,7 @@ def write_tiny_dflash(dir: str | Path, target_dir: str | Path, *, num_layers: in
         "rms_norm_eps": target["rms_norm_eps"], "rope_theta": target["rope_theta"],
         "attention_bias": attention_bias, "tie_word_embeddings": False, "vocab_size": vocab,
         "target_hidden_size": h, "block_size": block_size, "dflash_config": dflash,
-        "torch_dtype": dtype,
+        "torch_dtype": "float32",      # write_dflash sets the written dtype
     }
     if logit_scale is not None:
         config["logit_scale"] = logit_scale
@@ -232,6 +251,4 @@ def write_tiny_dflash(dir: str | Path, target_dir: str | Path, *, num_layers: in
         config["draft_vocab_size"] = draft_vocab_size
         t["lm_head.weight"] = _randn(gen, draft_vocab_size, h, std=4.0 / math.sqrt(h))
         t["d2t"] = torch.arange(draft_vocab_size, dtype=torch.long)   # id i -> 2i
-    _save(out, t, dtype)
-    _write_json(out / "config.json", config)
-    return out
+    return t, config
