@@ -5,7 +5,8 @@ server is SIGKILLed mid-generation, restarted, SIGSTOPped (proposals time
 out) and SIGCONTed. Every request completes with exactly the output of an
 engine without speculation; after a restart and after a resume, new requests
 draft again (the server's counters move). A warm-up round after each outage
-gives the client the steps it needs to reconnect (it only works inside steps).
+gives the client the steps it needs to reconnect (it only works inside steps),
+stepping short requests until the client reports it is connected again.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ P = [
     ["Numbers like one, two, three", "Music played softly while the rain fell"],
 ]
 WARM_UP = ["The library opened its doors at nine o'clock"]
-SLEEP = {"do": "sleep", "seconds": 2.0}   # let the client's reconnect backoff elapse
 
 
 def _rounds(faults: bool) -> list[Round]:
@@ -35,10 +35,10 @@ def _rounds(faults: bool) -> list[Round]:
         return list(actions) if faults else []
     return [
         Round(P[0], max_tokens=24, actions=act({"step": 4, "do": "kill"}), probe_server=False),  # 0: crash
-        Round(WARM_UP, max_tokens=40, actions=act({"step": 0, "do": "restart"}, {"step": 1, **SLEEP})),
+        Round(WARM_UP, max_tokens=40, actions=act({"step": 0, "do": "restart"}), wait_ready=faults),
         Round(P[1], max_tokens=16),                                                               # 2: drafts again
         Round(P[2], max_tokens=24, actions=act({"step": 3, "do": "stop"}, {"step": 10, "do": "cont"})),
-        Round(WARM_UP, max_tokens=40, actions=act({"step": 1, **SLEEP})),
+        Round(WARM_UP, max_tokens=40, wait_ready=faults),
         Round(P[3], max_tokens=16),                                                               # 5: recovered
     ]
 

@@ -40,9 +40,6 @@ CRASH_PROMPTS = ["The children went to school", "Water boils at one hundred degr
 WARM_UP = ["The library opened its doors at nine o'clock"]
 RECOVERED = ["Music played softly while the rain fell", "Numbers like one, two, three"]
 KILL_STEP = 4
-# after the restart: longer than the transport's longest ZMQ reconnect interval (5 s), so the
-# client's socket is connected again before the warm-up's remaining steps let it say hello
-RECONNECT_WAIT_S = 6.0
 TINY_ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 128, "max_num_seqs": 8, "dtype": "float32"}
 REAL_ENGINE = {"max_model_len": 2048, "max_num_batched_tokens": 256, "max_num_seqs": 8}
 
@@ -102,8 +99,8 @@ def demo_rounds(faults: bool) -> list[Round]:
         Round(PROMPTS, max_tokens=32, label="prompts"),
         Round(CRASH_PROMPTS, max_tokens=24, actions=act({"step": KILL_STEP, "do": "kill"}), probe_server=False,
               label="crash"),
-        Round(WARM_UP, max_tokens=24, label="restart",
-              actions=act({"step": 0, "do": "restart"}, {"step": 1, "do": "sleep", "seconds": RECONNECT_WAIT_S})),
+        Round(WARM_UP, max_tokens=24, label="restart", actions=act({"step": 0, "do": "restart"}),
+              wait_ready=faults),
         Round(RECOVERED, max_tokens=24, label="recovered"),
     ]
 

@@ -22,7 +22,8 @@ from k3_accel.demo.server import DraftServer
 
 ACTIONS = ("kill", "stop", "cont", "restart", "sleep")
 SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens": "accepted"}
+                 "vllm:spec_decode_num_accepted_tokens": "accepted", "vllm:num_preemptions": "preemptions"}
+READY_WAIT_S = 120.0         # longest a ``wait_ready`` round keeps stepping for the client to reconnect
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"     # a vector: accepted at draft position i
 
 
@@ -38,6 +39,7 @@ class Round:
     actions: list[dict] = field(default_factory=list)
     probe_server: bool = True                # read the server's stats after the round
     label: str = ""                          # what the round is for (reports)
+    wait_ready: bool = False                 # afterwards, step short requests until the client is ready
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Scenario:
     runs: list[Run]
     engine: dict = field(default_factory=dict)      # LLM(...) keyword arguments
     server_args: list[str] | None = None            # k3-draft-server flags (None: no server)
+    server_address: str | None = None               # or a draft server someone else runs
     workdir: str = "."
 
     @classmethod
@@ -68,8 +71,8 @@ class Scenario:
 
     def validate(self) -> None:
         for run in self.runs:
-            if run.remote and self.server_args is None:
-                raise ScenarioError(f"run {run.name!r} drafts remotely but the scenario has no server_args")
+            if run.remote and self.server_args is None and self.server_address is None:
+                raise ScenarioError(f"run {run.name!r} drafts remotely but the scenario has no server")
             for rnd in run.rounds:
                 for action in rnd.actions:
                     if action.get("do") not in ACTIONS or not isinstance(action.get("step"), int):
@@ -85,8 +88,9 @@ def run(scenario: Scenario) -> dict:
         t0 = time.perf_counter()
         server.start()
         server_start = time.perf_counter() - t0
+    address = scenario.server_address or (server.address if server else None)
     try:
-        runs = [_run_engine(scenario, r, server) for r in scenario.runs]
+        runs = [_run_engine(scenario, r, server, address) for r in scenario.runs]
     finally:
         code = server.close() if server else None
     out: dict[str, Any] = {"runs": runs}
@@ -96,23 +100,23 @@ def run(scenario: Scenario) -> dict:
     return out
 
 
-def _engine_kwargs(scenario: Scenario, r: Run, server: DraftServer | None) -> dict:
+def _engine_kwargs(scenario: Scenario, r: Run, address: str | None) -> dict:
     kwargs = {"model": scenario.target, "enforce_eager": True, "disable_log_stats": False,
               **scenario.engine}
     if r.speculative is not None:
         kwargs["speculative_config"] = dict(r.speculative)
     if r.remote:
-        kwargs["additional_config"] = {"k3_accel": {"draft_address": server.address, **r.plugin}}
+        kwargs["additional_config"] = {"k3_accel": {"draft_address": address, **r.plugin}}
     return kwargs
 
 
-def _run_engine(scenario: Scenario, r: Run, server: DraftServer | None) -> dict:
+def _run_engine(scenario: Scenario, r: Run, server: DraftServer | None, address: str | None) -> dict:
     from vllm import LLM
 
     if r.record_drafts:
         recorder.start(r.name)
     t0 = time.perf_counter()
-    llm = LLM(**_engine_kwargs(scenario, r, server))
+    llm = LLM(**_engine_kwargs(scenario, r, address))
     result: dict[str, Any] = {"name": r.name, "start_s": time.perf_counter() - t0, "rounds": []}
     try:
         for i, rnd in enumerate(r.rounds):
@@ -148,6 +152,8 @@ def _run_round(llm: Any, tag: str, rnd: Round, server: DraftServer | None) -> di
         step += 1
     elapsed = time.perf_counter() - t0
     after = _spec_counters(llm)
+    if rnd.wait_ready:
+        _step_until_ready(llm, tag)
     return {"label": rnd.label, "outputs": [list(outputs[i].outputs[0].token_ids) for i in ids],
             "prompt_token_ids": [list(outputs[i].prompt_token_ids) for i in ids],
             "texts": [outputs[i].outputs[0].text for i in ids], "steps": step, "generate_s": elapsed,
@@ -155,6 +161,26 @@ def _run_round(llm: Any, tag: str, rnd: Round, server: DraftServer | None) -> di
             "accepted_per_pos": _per_position(before, after),
             "client": _drafter_stats(llm),
             "server": _server_stats(server) if server and rnd.probe_server else None}
+
+
+def _client_state(llm: Any) -> str | None:
+    stats = _drafter_stats(llm)
+    return stats.get("state") or (stats.get("transport") or {}).get("state")
+
+
+def _step_until_ready(llm: Any, tag: str) -> None:
+    """Step short requests until the remote drafter's client is connected again (the client
+    only reconnects inside steps); a deadline, never a fixed sleep."""
+    from vllm import SamplingParams
+
+    engine, deadline, n = llm.llm_engine, time.monotonic() + READY_WAIT_S, 0
+    while _client_state(llm) not in (None, "ready") and time.monotonic() < deadline:
+        engine.add_request(f"{tag}-ready-{n}", {"prompt_token_ids": [1, 2, 3, 4]},
+                           SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        n += 1
+        time.sleep(0.05)
 
 
 def _prompt(prompt: Any) -> Any:
