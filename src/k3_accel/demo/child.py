@@ -34,8 +34,10 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_in_child(scenario: Scenario, timeout: float = 600, env: dict[str, str] | None = None) -> dict:
-    """Run ``scenario`` in a child process; returns its result dict."""
+def run_in_child(scenario: Scenario, timeout: float = 600, env: dict[str, str] | None = None,
+                 crash_ok: bool = False) -> dict:
+    """Run ``scenario`` in a child process; returns its result dict. ``crash_ok``: the scenario
+    ends with a ``crash`` action; return what it saved instead of failing."""
     work = Path(scenario.workdir)
     work.mkdir(parents=True, exist_ok=True)
     n = next(_counter)
@@ -48,6 +50,8 @@ def run_in_child(scenario: Scenario, timeout: float = 600, env: dict[str, str] |
                                   env=child_env(env), timeout=timeout)
         except subprocess.TimeoutExpired:
             raise ChildError(f"scenario timed out after {timeout:.0f} s; log {log}:\n{_tail(log)}") from None
+    if crash_ok and proc.returncode == 70 and out.exists():
+        return {**json.loads(out.read_text()), "log": str(log)}
     if proc.returncode != 0 or not out.exists():
         raise ChildError(f"scenario failed (exit {proc.returncode}); log {log}:\n{_tail(log)}")
     result = json.loads(out.read_text())
@@ -64,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     import faulthandler
     import signal
     faulthandler.register(signal.SIGUSR1)   # `kill -USR1 PID` dumps every thread's stack
-    from k3_accel.demo.scenario import run
+    from k3_accel.demo import scenario as sc
+    sc._partial["out"] = out_path
     scenario = Scenario.from_dict(json.loads(Path(spec_path).read_text()))
+    run = sc.run
     result = run(scenario)
     Path(out_path).write_text(json.dumps(result))
     return 0

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-_state: dict[str, Any] = {"run": None, "drafts": {}, "runner": None, "installed": False}
+_state: dict[str, Any] = {"run": None, "drafts": {}, "calls": {}, "call": 0, "runner": None, "installed": False}
 
 
 def start(run: str) -> None:
     _install()
-    _state.update(run=run, drafts={})
+    _state.update(run=run, drafts={}, calls={}, call=0)
 
 
-def stop() -> dict[str, list[list[int]]]:
-    drafts, _state["drafts"], _state["run"] = _state["drafts"], {}, None
-    return drafts
+def stop() -> tuple[dict[str, list[list[int]]], dict[str, list[int]]]:
+    """The drafts recorded per request (prompt key), and the index of the drafter call that made
+    each (a request absent from some calls between two of its own was preempted)."""
+    drafts, calls = _state["drafts"], _state["calls"]
+    _state.update(drafts={}, calls={}, run=None)
+    return drafts, calls
 
 
 def _install() -> None:
@@ -60,6 +63,7 @@ def _wrap_propose(cls: type) -> None:
 
 
 def _record(runner: Any, drafts: Any) -> None:
+    _state["call"] += 1
     n = runner.input_batch.num_reqs
     discard = runner.discard_request_mask.np[:n]
     rows = drafts.tolist()
@@ -70,3 +74,4 @@ def _record(runner: Any, drafts: Any) -> None:
             continue
         key = " ".join(map(str, req.prompt_token_ids))
         _state["drafts"].setdefault(key, []).append(rows[i])
+        _state["calls"].setdefault(key, []).append(_state["call"])

@@ -20,7 +20,9 @@ from k3_accel.demo import recorder
 from k3_accel.demo.probe import ProbeError, probe
 from k3_accel.demo.server import DraftServer
 
-ACTIONS = ("kill", "stop", "cont", "restart", "sleep")
+ACTIONS = ("kill", "stop", "cont", "restart", "sleep", "touch", "wait_file", "crash")
+SERVER_ACTIONS = ("kill", "stop", "cont", "restart")
+_partial: dict[str, Any] = {"out": None, "runs": [], "current": None}   # what a ``crash`` leaves behind
 SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens": "accepted", "vllm:num_preemptions": "preemptions"}
 READY_WAIT_S = 120.0         # longest a ``wait_ready`` round keeps stepping for the client to reconnect
@@ -35,7 +37,9 @@ class ScenarioError(ValueError):
 class Round:
     prompts: list[Any]                       # strings or lists of token ids
     max_tokens: int | list[int] = 16
-    # {"step": N, "do": kill|stop|cont|restart} or {"step": N, "do": "sleep", "seconds": S}
+    # {"step": N, "do": kill|stop|cont|restart} (the scenario's server), {"step": N, "do": "sleep",
+    # "seconds": S}, {"step": N, "do": "touch"|"wait_file", "path": P} (meet another process; wait_file
+    # has a deadline) or {"step": N, "do": "crash"} (this process dies at once: no goodbye on the wire)
     actions: list[dict] = field(default_factory=list)
     probe_server: bool = True                # read the server's stats after the round
     label: str = ""                          # what the round is for (reports)
@@ -75,7 +79,8 @@ class Scenario:
                 raise ScenarioError(f"run {run.name!r} drafts remotely but the scenario has no server")
             for rnd in run.rounds:
                 for action in rnd.actions:
-                    if action.get("do") not in ACTIONS or not isinstance(action.get("step"), int):
+                    if action.get("do") not in ACTIONS or not isinstance(action.get("step"), int) or (
+                        action["do"] in ("touch", "wait_file") and not action.get("path")):
                         raise ScenarioError(f"run {run.name!r}: bad action {action!r}; allowed {ACTIONS}")
 
 
@@ -89,8 +94,10 @@ def run(scenario: Scenario) -> dict:
         server.start()
         server_start = time.perf_counter() - t0
     address = scenario.server_address or (server.address if server else None)
+    runs = _partial["runs"] = []
     try:
-        runs = [_run_engine(scenario, r, server, address) for r in scenario.runs]
+        for r in scenario.runs:
+            runs.append(_run_engine(scenario, r, server, address))
     finally:
         code = server.close() if server else None
     out: dict[str, Any] = {"runs": runs}
@@ -119,12 +126,14 @@ def _run_engine(scenario: Scenario, r: Run, server: DraftServer | None, address:
     llm = LLM(**_engine_kwargs(scenario, r, address))
     result: dict[str, Any] = {"name": r.name, "start_s": time.perf_counter() - t0, "rounds": []}
     try:
+        _partial["current"] = result                        # what a crash in a later round saves
         for i, rnd in enumerate(r.rounds):
             result["rounds"].append(_run_round(llm, f"{r.name}-{i}", rnd, server if r.remote else None))
+        _partial["current"] = None
         result["drafter"] = _drafter_stats(llm)
     finally:
         if r.record_drafts:
-            result["drafts"] = recorder.stop()
+            result["drafts"], result["draft_calls"] = recorder.stop()
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
@@ -194,6 +203,25 @@ def _act(server: DraftServer | None, action: dict) -> None:
     if what == "sleep":
         time.sleep(float(action.get("seconds", 1.0)))
         return
+    if what == "touch":
+        Path(action["path"]).touch()
+        return
+    if what == "wait_file":
+        deadline = time.monotonic() + float(action.get("timeout", 600))
+        while not Path(action["path"]).exists():
+            if time.monotonic() > deadline:
+                raise ScenarioError(f"{action['path']} did not appear in time")
+            time.sleep(0.05)
+        return
+    if what == "crash":
+        import json
+        import os
+        if _partial["out"]:
+            runs = _partial["runs"] + ([_partial["current"]] if _partial["current"] else [])
+            Path(_partial["out"]).write_text(json.dumps({"runs": runs, "crashed": True}))
+        if action.get("path"):
+            Path(action["path"]).touch()
+        os._exit(70)
     if server is None:
         raise ScenarioError(f"action {what!r} needs a remote run")
     if what == "kill":
