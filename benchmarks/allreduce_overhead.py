@@ -38,7 +38,7 @@ def worker(rank, world, port, queue):
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
     from k3_accel.comm.threshold import DmaThreshold
-    from k3_accel.vllm.communicator import K3CudaCommunicator, Overrides
+    from k3_accel.vllm.tp.communicator import K3CudaCommunicator, Overrides
 
     K3CudaCommunicator.overrides = Overrides(threshold=DmaThreshold.off())
     group = dist.new_group(backend="gloo")

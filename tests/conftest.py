@@ -60,3 +60,21 @@ def wire(ngram_server):
     w = Wire(ngram_server.address)
     yield w
     w.close()
+
+
+# ------------------------------------------- vLLM V2 runner (helpers.v2_sim)
+@pytest.fixture(scope="session")
+def vllm_config(tmp_path_factory):
+    """One real ``VllmConfig`` (tiny target + DFlash draft, dflash, K=4) per test session;
+    the draft address comes from the environment."""
+    pytest.importorskip("vllm.v1.worker.gpu.spec_decode")
+    from helpers.v2_sim import build_vllm_config
+    return build_vllm_config(str(tmp_path_factory.mktemp("v2_models")))
+
+
+@pytest.fixture(scope="module")
+def tp_group(vllm_config):
+    """vLLM's distributed state for one rank (gloo): ``get_tp_group()`` works in this process."""
+    from helpers.v2_sim import vllm_world
+    with vllm_world(vllm_config) as group:
+        yield group

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_comm_harness import fake_gpus, loopback_hooks, run_ranks
+from helpers.comm import fake_gpus, loopback_hooks
+from helpers.ranks import run_ranks
 
 from k3_accel.comm.build import STAGES, build_router
 from k3_accel.comm.crossover import MiB, CrossoverCache

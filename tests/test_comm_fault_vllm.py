@@ -19,7 +19,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from test_comm_harness import ExitNow, loopback_hooks, run_ranks  # noqa: E402
+from helpers.comm import loopback_hooks  # noqa: E402
+from helpers.ranks import ExitNow, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
@@ -44,7 +45,7 @@ class _Lines(logging.Handler):
 def _make(rank, world, lines, *, sizing=True, **hook_kw):
     """A TP communicator on a fresh gloo group; returns (comm or None, exception text, seconds)."""
     from k3_accel.comm.threshold import DmaThreshold
-    from k3_accel.vllm.communicator import K3CudaCommunicator, Overrides, Sizing
+    from k3_accel.vllm.tp.communicator import K3CudaCommunicator, Overrides, Sizing
 
     K3CudaCommunicator.overrides = Overrides(
         hooks=loopback_hooks(rank, world, **hook_kw),
@@ -69,7 +70,7 @@ def _sum(comm, rank, world):
 
 def _setup_faults(rank, world):
     from k3_accel.testing.loopback import LoopbackDmaRuntime
-    from k3_accel.vllm import communicator as cm
+    from k3_accel.vllm.tp import communicator as cm
 
     lines = _Lines()
     logging.getLogger("vllm.k3_accel.communicator").addHandler(lines)

@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from test_comm_harness import loopback_hooks, run_ranks  # noqa: E402
+from helpers.comm import loopback_hooks  # noqa: E402
+from helpers.ranks import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
@@ -28,7 +29,7 @@ MiB = 1 << 20
 def test_communicator_install_is_a_noop_off_cuda():
     from vllm.platforms import current_platform
 
-    from k3_accel.vllm import communicator
+    from k3_accel.vllm.tp import communicator
 
     before = current_platform.get_device_communicator_cls()
     assert not current_platform.is_cuda()
@@ -54,17 +55,23 @@ def test_platform_hook_returns_the_subclass():
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    from k3_accel.vllm.communicator import K3CudaCommunicator, patch_platform
+    from k3_accel.vllm import patching
+    from k3_accel.vllm.tp.communicator import HOOK, STOCK_QUALNAME, K3CudaCommunicator, patch_platform
 
     platform = _cuda_like_platform()
+    stock = platform.__dict__["get_device_communicator_cls"]
     assert patch_platform(platform) is True
     assert patch_platform(platform) is True                 # idempotent
+    assert patching.patched(platform, "get_device_communicator_cls").hook == HOOK
     cls = resolve_obj_by_qualname(platform.get_device_communicator_cls())
     assert cls is K3CudaCommunicator and issubclass(cls, CudaCommunicator)
+    patching.undo(HOOK)                                      # through the one patch helper
+    assert platform.__dict__["get_device_communicator_cls"] is stock
+    assert platform.get_device_communicator_cls() == STOCK_QUALNAME
 
 
 def test_patch_refuses_a_hook_owned_by_someone_else():
-    from k3_accel.vllm.communicator import patch_platform
+    from k3_accel.vllm.tp.communicator import patch_platform
 
     platform = _cuda_like_platform()
     platform.get_device_communicator_cls = classmethod(lambda cls: "other.plugin.Comm")
@@ -75,7 +82,7 @@ def test_patch_refuses_a_hook_owned_by_someone_else():
 @pytest.mark.gpu  # vllm.platforms.cuda loads vLLM's CUDA extension: only on a GPU host with vLLM
 def test_cuda_platform_module_when_importable():
     from vllm.platforms.cuda import CudaPlatformBase
-    from k3_accel.vllm.communicator import QUALNAME, install
+    from k3_accel.vllm.tp.communicator import QUALNAME, install
 
     assert install(CudaPlatformBase) is True
     assert CudaPlatformBase.get_device_communicator_cls() == QUALNAME
@@ -83,7 +90,7 @@ def test_cuda_platform_module_when_importable():
 
 def test_missing_symbol_is_typed():
     from k3_accel.vllm.compat import MissingSymbol
-    from k3_accel.vllm.communicator import patch_platform
+    from k3_accel.vllm.tp.communicator import patch_platform
 
     with pytest.raises(MissingSymbol):
         patch_platform(type("NoHook", (), {}))
@@ -92,7 +99,7 @@ def test_missing_symbol_is_typed():
 def test_custom_op_registered_idempotently_with_fake():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from k3_accel.vllm import custom_op
+    from k3_accel.vllm.tp import custom_op
 
     assert custom_op.install() is True
     assert custom_op.install() is True
@@ -108,7 +115,7 @@ def test_custom_op_registered_idempotently_with_fake():
 # -------------------------------------------------------------- behaviour
 def _setup_overrides(threshold_text, max_bytes=4 * MiB, rank=0, world=2, **hook_kw):
     from k3_accel.comm.threshold import parse_dma_min_bytes
-    from k3_accel.vllm.communicator import K3CudaCommunicator, Overrides, Sizing
+    from k3_accel.vllm.tp.communicator import K3CudaCommunicator, Overrides, Sizing
 
     hooks = loopback_hooks(rank, world, **hook_kw)
     K3CudaCommunicator.overrides = Overrides(
@@ -218,8 +225,8 @@ def _op(rank, world):
     from vllm.distributed.parallel_state import GroupCoordinator
     from vllm.platforms import current_platform
 
-    from k3_accel.vllm import custom_op
-    from k3_accel.vllm.communicator import QUALNAME
+    from k3_accel.vllm.tp import custom_op
+    from k3_accel.vllm.tp.communicator import QUALNAME
 
     cls = _setup_overrides("256K", rank=rank, world=world)
     type(current_platform).get_device_communicator_cls = classmethod(lambda c: QUALNAME)
@@ -255,7 +262,7 @@ def test_install_is_cheap_and_defers_the_class():
 
     code = (
         "import sys\n"
-        "import k3_accel.vllm.communicator as c, k3_accel.vllm.custom_op as o\n"
+        "import k3_accel.vllm.tp.communicator as c, k3_accel.vllm.tp.custom_op as o\n"
         "c.install(); o.install(); c.install()\n"
         "mod = 'vllm.distributed.device_communicators.cuda_communicator'\n"
         "print('LOADED' if mod in sys.modules else 'DEFERRED')\n"
@@ -272,7 +279,7 @@ def test_install_is_cheap_and_defers_the_class():
 def test_sizing_from_a_vllm_shaped_config():
     from types import SimpleNamespace as NS
 
-    from k3_accel.vllm.communicator import sizing_from_vllm_config
+    from k3_accel.vllm.tp.communicator import sizing_from_vllm_config
 
     model = NS(get_hidden_size=lambda: 7168, dtype=torch.bfloat16)
     draft = NS(get_hidden_size=lambda: 8192)

@@ -47,7 +47,7 @@ def test_missing_vllm_symbol_turns_only_that_hook_off(tmp_path, monkeypatch, cap
     (tmp_path / "k3_good_hook.py").write_text("calls = []\ndef install():\n    calls.append(1)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     import k3_accel.plugin as plugin
-    monkeypatch.setattr(plugin, "HOOKS", (("fake", "k3_fake_hook"), ("good", "k3_good_hook")))
+    monkeypatch.setattr(plugin, "HOOKS", (("fake", "k3_fake_hook:install"), ("good", "k3_good_hook:install")))
     monkeypatch.setattr(plugin, "_installed", None)
     with caplog.at_level(logging.WARNING, logger="k3_accel"):
         assert plugin.register() == {"fake": False, "good": True}

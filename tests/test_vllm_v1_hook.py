@@ -1,4 +1,4 @@
-"""Installing the V1 runner hook: lazy, idempotent, only with an address and a supported method."""
+"""The V1 runner hook: lazy (patch on import), idempotent, undoable, only with an address and a served method."""
 from __future__ import annotations
 
 import logging
@@ -10,33 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from helpers.server import SRC
-from k3_accel.vllm import post_import, proposer_v1
-
-
-def test_post_import_hook_runs_after_import(tmp_path, monkeypatch):
-    (tmp_path / "k3_watched_mod.py").write_text("VALUE = 41\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    seen = []
-    post_import.when_imported("k3_watched_mod", lambda m: seen.append(m.VALUE + 1))
-    assert seen == []
-    import k3_watched_mod  # noqa: F401
-    assert seen == [42]
-    post_import.when_imported("k3_watched_mod", lambda m: seen.append("now"))   # already imported: at once
-    assert seen == [42, "now"]
-
-
-def test_post_import_hook_failure_does_not_break_the_import(tmp_path, monkeypatch, caplog):
-    (tmp_path / "k3_watched_bad.py").write_text("VALUE = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-    def boom(module):
-        raise RuntimeError("hook bug")
-
-    post_import.when_imported("k3_watched_bad", boom)
-    with caplog.at_level(logging.ERROR, logger="k3_accel"):
-        import k3_watched_bad
-    assert k3_watched_bad.VALUE == 1
-    assert any("post-import hook for k3_watched_bad failed" in r.getMessage() for r in caplog.records)
+from k3_accel.vllm import patching
+from k3_accel.vllm.spec_decode.methods import remote_enabled
 
 
 def _config(method, address="tcp://127.0.0.1:5557"):
@@ -53,36 +28,64 @@ def _config(method, address="tcp://127.0.0.1:5557"):
 ])
 def test_remote_only_with_address_and_speculation(method, address, expected, monkeypatch):
     monkeypatch.delenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", raising=False)
-    assert proposer_v1._wants_remote(_config(method, address)) is expected
+    assert remote_enabled(_config(method, address)) is expected
 
 
 def test_unsupported_method_stays_stock_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="k3_accel.vllm"):
-        assert proposer_v1._wants_remote(_config("eagle3")) is False
+        assert remote_enabled(_config("eagle3")) is False
     assert "method 'eagle3' is drafted locally" in caplog.text
 
 
 def test_address_from_the_environment(monkeypatch):
     monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", "tcp://127.0.0.1:6000")
-    assert proposer_v1._wants_remote(_config("dflash", address=None)) is True
+    assert remote_enabled(_config("dflash", address=None)) is True
 
 
 @pytest.mark.vllm
 def test_install_is_lazy_and_idempotent():
     code = (
         "import sys\n"
-        "from k3_accel.vllm import proposer_v1\n"
-        "proposer_v1.install(); proposer_v1.install()\n"
-        "assert proposer_v1.RUNNER_MODULE not in sys.modules, 'install imported the runner'\n"
+        "from k3_accel.vllm import patching\n"
+        "from k3_accel.vllm.spec_decode import hooks\n"
+        "hooks.install_v1(); hooks.install_v1()\n"
+        "assert hooks.RUNNER_MODULE not in sys.modules, 'install imported the runner'\n"
+        "assert patching.applied('proposer_v1') == []\n"
         "import vllm.v1.worker.gpu_model_runner as gmr\n"
-        "init = gmr.GPUModelRunner.__init__\n"
-        "assert init._k3_remote and not hasattr(init.__wrapped__, '_k3_remote')\n"
-        "proposer_v1.patch_runner(gmr)\n"
-        "assert gmr.GPUModelRunner.__init__ is init\n"
+        "cls = gmr.GPUModelRunner\n"
+        "init = cls.__init__\n"
+        "record = patching.patched(cls, '__init__')\n"
+        "assert record.hook == 'proposer_v1' and record.replacement is init and init.__wrapped__ is record.original\n"
+        "hooks.patch_runner(gmr)\n"
+        "assert cls.__init__ is init, 'patched twice'\n"
         "from vllm.v1.spec_decode.dflash import DFlashProposer\n"
         "assert gmr.DFlashProposer is DFlashProposer, 'names stay stock outside a remote runner build'\n"
+        "assert sorted(p.name for p in patching.applied('proposer_v1')) == ['__init__', 'shutdown']\n"
+        "patching.undo('proposer_v1')\n"
+        "assert cls.__init__ is record.original and patching.patched(cls, '__init__') is None\n"
         "print('ok')\n")
     env = {**os.environ, "PYTHONPATH": SRC, "VLLM_PLUGINS": ""}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("ok")
+
+
+@pytest.mark.vllm
+def test_a_remote_runner_build_swaps_the_proposer_name_only_while_it_runs():
+    """The swap goes through the patch helper: recorded while ``__init__`` runs, gone afterwards."""
+    import vllm.v1.worker.gpu_model_runner as gmr
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    from k3_accel.vllm.spec_decode import hooks
+    from k3_accel.vllm.spec_decode.v1 import RemoteDFlashProposer
+
+    seen = []
+
+    def stock_init(self, vllm_config, device):     # what the runner's __init__ looks up
+        seen.append((gmr.DFlashProposer, patching.patched(gmr, "DFlashProposer").hook))
+        self.drafter = None
+
+    init = hooks._wrap_runner_init(stock_init)
+    init(object.__new__(gmr.GPUModelRunner), _config("dflash"), "cpu")
+    assert seen == [(RemoteDFlashProposer, "proposer_v1")]
+    assert gmr.DFlashProposer is DFlashProposer and patching.patched(gmr, "DFlashProposer") is None

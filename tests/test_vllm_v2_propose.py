@@ -3,7 +3,7 @@
 The speculator is built by the wrapped ``init_speculator`` from a real
 ``VllmConfig`` (dflash, K=4) in a real single-rank vLLM TP group (gloo);
 ``propose`` gets vLLM's own ``InputBatch`` / ``RequestState`` objects on the
-CPU (see ``test_vllm_v2_harness``). The server is ``k3-draft-server --engine
+CPU (see ``helpers.v2_sim``). The server is ``k3-draft-server --engine
 ngram``, so the right drafts are prompt lookup over what the server was sent
 (``expected``); the runner sees them with "no draft" (-1) replaced by the
 request's last sampled token (``expected_v2``, ``filled``).
@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_vllm_v2_harness import (K, Sched, Sim, expected, expected_v2, filled, tp_group,  # noqa: F401
-                                  vllm_config)
+from helpers.v2_sim import K, Sched, Sim, expected, expected_v2, filled
 
 pytestmark = pytest.mark.vllm
 spec_decode = pytest.importorskip("vllm.v1.worker.gpu.spec_decode")
@@ -27,9 +26,9 @@ def sim():
 
 @pytest.fixture
 def speculator(vllm_config, tp_group, ngram_server, sim, monkeypatch):
-    from k3_accel.vllm import speculator_v2
+    from k3_accel.vllm.spec_decode import hooks
 
-    speculator_v2.install()
+    hooks.install_v2()
     monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", ngram_server.address)
     spec = spec_decode.init_speculator(vllm_config, torch.device("cpu"), sim.req_states)
     assert type(spec).__name__ == "RemoteSpeculatorV2"
@@ -38,13 +37,13 @@ def speculator(vllm_config, tp_group, ngram_server, sim, monkeypatch):
 
 
 def server_stats(spec) -> dict:
-    client = spec.session.client
+    client = spec.core.session.client
     client.flush()                      # replies to deferred ingests
     return client.server_stats()
 
 
 def counters(spec) -> dict:
-    return spec.session.client.stats()["counters"]
+    return spec.core.session.client.stats()["counters"]
 
 
 def rows(drafts: torch.Tensor) -> list[list[int]]:
@@ -67,7 +66,7 @@ def test_drafts_are_prompt_lookup_over_valid_rows(speculator, sim):
     assert rows(d) == [expected_v2(a + [7, 8, 9], 5), expected_v2(b + [4], 2)]
     stats = server_stats(speculator)
     assert stats["errors"] == {} and stats["ingested_rows"] == len(a) + len(b) + 3 + 1
-    assert speculator.stats()["speculator"]["steps"] == 2
+    assert speculator.stats()["adapter"]["steps"] == 2
 
 
 def test_mid_prefill_step_is_deferred_and_the_final_chunk_proposes(speculator, sim):
@@ -123,7 +122,7 @@ def test_dummy_and_profile_runs_send_nothing(speculator, sim):
     after = {k: v for k, v in server_stats(speculator)["ops"].items() if k != "stats"}
     assert after == before
     assert counters(speculator) == msgs
-    assert speculator.stats()["speculator"]["dummy_runs"] == 3
+    assert speculator.stats()["adapter"]["dummy_runs"] == 3
 
 
 # ------------------------------------------------------- max_tokens <= 1
@@ -136,7 +135,7 @@ def test_a_batch_of_max_tokens_one_requests_does_no_remote_work(speculator, sim)
                     k=0)
     assert rows(d) == [[-1] * K] * 2
     assert {k: v for k, v in server_stats(speculator)["ops"].items() if k != "stats"} == before
-    assert speculator.stats()["speculator"]["skipped_steps"] == 1
+    assert speculator.stats()["adapter"]["skipped_steps"] == 1
     # ... and nothing to free when they finish
     sim.remove("one")
     sim.remove("two")
@@ -153,7 +152,7 @@ def test_max_tokens_one_requests_are_left_out_of_a_mixed_step(speculator, sim):
     assert rows(d) == [[8] * K, expected_v2(long, 4)]             # "one" gets no draft (filled)
     stats = server_stats(speculator)
     assert stats["ingested_rows"] == len(long) and stats["proposals"] == 1
-    assert speculator.stats()["speculator"]["skipped_requests"] == 1
+    assert speculator.stats()["adapter"]["skipped_requests"] == 1
 
 
 @pytest.mark.vllm033
@@ -184,7 +183,7 @@ def test_requests_vllm_removed_are_freed_on_the_next_step(speculator, sim):
     sim.propose(speculator, [Sched("g", 0, [1, 1, 2], sampled=1)])
     stats = server_stats(speculator)
     assert stats["ops"]["free"] == 1 and stats["active"] == 1      # f gone (retained for reconnects), g live
-    assert speculator.stats()["known_requests"] == 1
+    assert speculator.stats()["adapter"]["known_requests"] == 1
 
 
 def test_prefix_cache_hit_gets_its_prompt_from_request_state(speculator, sim):
@@ -207,7 +206,7 @@ def test_a_bad_step_input_fails_closed(speculator, sim):
     sim.hidden_dtype = torch.float32                 # the target would ship bf16; the transport refuses
     d = sim.propose(speculator, [Sched("w", 0, [1, 2, 3, 1, 2], sampled=3)])
     assert rows(d) == [[3] * K]                                        # no draft
-    assert speculator.stats()["session_errors"] == 1          # the transport's StepInputError, caught
+    assert speculator.stats()["adapter"]["failures.step"] == 1    # the transport's StepInputError, caught
 
 
 def test_a_dead_server_fails_closed(speculator, sim, ngram_server):
@@ -231,7 +230,7 @@ def test_an_inconsistent_batch_fails_closed_before_the_transport(speculator, sim
     # every row of the block "rejected": no valid context row, nothing can be shipped
     d = sim.propose(speculator, [Sched("v", 0, [1, 2, 3], sampled=1, rejected=3, drafts=3)])
     assert rows(d) == [[1] * K]
-    assert speculator.stats()["speculator"]["failures"] == 1
+    assert speculator.stats()["adapter"]["failures.step_input"] == 1
     assert not server_stats(speculator)["ops"].get("ingest")
 
 

@@ -11,8 +11,8 @@ import pickle
 
 import pytest
 
-from test_comm_harness import run_ranks
-from test_vllm_v2_harness import K, expected_v2, vllm_config  # noqa: F401 (fixture)
+from helpers.ranks import run_ranks
+from helpers.v2_sim import K, expected_v2
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.v1.worker.gpu.spec_decode")
@@ -26,17 +26,17 @@ def _rank(rank: int, world: int, config_bytes: bytes) -> tuple:
     import torch
     import vllm.v1.worker.gpu.spec_decode as spec_decode
 
-    from k3_accel.vllm import speculator_v2
-    from test_vllm_v2_harness import Sched, Sim, vllm_world
+    from helpers.v2_sim import Sched, Sim, vllm_world
+    from k3_accel.vllm.spec_decode import hooks
 
     config = pickle.loads(config_bytes)
-    speculator_v2.install()
+    hooks.install_v2()
     # rank 1 gets garbage rows: it never ships them, its drafts come from rank 0's broadcast
     a, b, p = (A, B, P) if rank == 0 else ([0] * len(A), [0] * len(B), [0] * len(P))
     with vllm_world(config, tp=world, rank=rank) as group:
         sim = Sim()
         spec = spec_decode.init_speculator(config, torch.device("cpu"), sim.req_states)
-        connected = spec.session.client is not None
+        connected = spec.core.session.client is not None
         sim.add("a", a)
         sim.add("b", b)
         sim.add("p", p)
@@ -49,8 +49,8 @@ def _rank(rank: int, world: int, config_bytes: bytes) -> tuple:
                                   Sched("p", 24, [5], sampled=6)]).tolist()]
         stats = None
         if connected:
-            spec.session.client.flush()
-            stats = spec.session.client.server_stats()
+            spec.core.session.client.flush()
+            stats = spec.core.session.client.server_stats()
         result = (group.rank_in_group, group.world_size, connected, out, stats)
         spec.close()
     return result

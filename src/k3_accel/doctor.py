@@ -92,7 +92,7 @@ def diagnose(address: str, needs: handshake.TargetNeeds, spec: Any, *, max_batch
              timeout_ms: int = 10000, round_trips: int = 20) -> Report:
     from k3_accel.transport.api import ClientSettings
     from k3_accel.transport.client import DraftClient
-    from k3_accel.vllm.remote import unserved_reason
+    from k3_accel.vllm.spec_decode.methods import unserved_reason
 
     report = Report()
     why = unserved_reason(spec)

@@ -15,12 +15,13 @@ from k3_accel.vllm.compat import MissingSymbol, vllm_version
 
 log = logging.getLogger("k3_accel")
 
-# (hook name, module with an ``install()``), in installation order
+# (hook name, "module:function" that installs it), in installation order; every patch goes
+# through k3_accel.vllm.patching (``patching.applied()`` lists them)
 HOOKS: tuple[tuple[str, str], ...] = (
-    ("communicator", "k3_accel.vllm.communicator"),
-    ("custom_op", "k3_accel.vllm.custom_op"),
-    ("speculator_v2", "k3_accel.vllm.speculator_v2"),
-    ("proposer_v1", "k3_accel.vllm.proposer_v1"),
+    ("communicator", "k3_accel.vllm.tp.communicator:install"),
+    ("custom_op", "k3_accel.vllm.tp.custom_op:install"),
+    ("speculator_v2", "k3_accel.vllm.spec_decode.hooks:install_v2"),
+    ("proposer_v1", "k3_accel.vllm.spec_decode.hooks:install_v1"),
 )
 
 _installed: dict[str, bool] | None = None
@@ -36,10 +37,11 @@ def register() -> dict[str, bool]:
     return _installed
 
 
-def _install(name: str, module: str) -> bool:
+def _install(name: str, target: str) -> bool:
+    module, function = target.split(":")
     try:
-        # install() may return False: not applicable here (e.g. not a CUDA platform)
-        return importlib.import_module(module).install() is not False
+        # the installer may return False: not applicable here (e.g. not a CUDA platform)
+        return getattr(importlib.import_module(module), function)() is not False
     except MissingSymbol as exc:
         log.warning("k3-accel: hook %s off: vLLM %s lacks %s", name, vllm_version(), exc.symbol)
     except Exception:  # a hook must never take vLLM down

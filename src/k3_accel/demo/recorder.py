@@ -32,7 +32,7 @@ def _install() -> None:
     from vllm.v1.spec_decode.dflash import DFlashProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from k3_accel.vllm.v1_drafters import RemoteDFlashProposer
+    from k3_accel.vllm.spec_decode.v1 import RemoteDFlashProposer
 
     _wrap_runner(GPUModelRunner)
     for cls in (DFlashProposer, RemoteDFlashProposer):

@@ -40,11 +40,12 @@ from k3_accel.comm.oneshot import OneShotBackend
 from k3_accel.comm.router import AllReduceRouter, RouterDecision
 from k3_accel.comm.threshold import DmaThreshold
 from k3_accel.config import ConfigError, K3Config, from_vllm
+from k3_accel.vllm import patching
 from k3_accel.vllm.compat import MissingSymbol, require, vllm_version
 
 _CUDA_COMM_MODULE = "vllm.distributed.device_communicators.cuda_communicator"
 STOCK_QUALNAME = f"{_CUDA_COMM_MODULE}.CudaCommunicator"
-QUALNAME = "k3_accel.vllm.communicator.K3CudaCommunicator"
+QUALNAME = "k3_accel.vllm.tp.communicator.K3CudaCommunicator"
 
 # A child of vLLM's logger, so vLLM's handler prints it.
 log = logging.getLogger("vllm.k3_accel.communicator")
@@ -327,15 +328,16 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+HOOK = "communicator"
+
+
 def _patched_get_device_communicator_cls(cls) -> str:
     return QUALNAME
 
 
-_patched_get_device_communicator_cls._k3_accel = True  # type: ignore[attr-defined]
-
-
 def patch_platform(platform_cls: type) -> bool:
-    """Point ``platform_cls.get_device_communicator_cls`` at :data:`QUALNAME`.
+    """Point ``platform_cls.get_device_communicator_cls`` at :data:`QUALNAME` (through
+    :func:`k3_accel.vllm.patching.patch`, hook ``communicator``).
 
     Idempotent. Refuses (returns False) when the hook does not currently return
     stock ``CudaCommunicator`` — another plugin already owns it.
@@ -343,7 +345,7 @@ def patch_platform(platform_cls: type) -> bool:
     hook = getattr(platform_cls, "get_device_communicator_cls", None)
     if hook is None:
         raise MissingSymbol(f"{platform_cls.__module__}.{platform_cls.__qualname__}.get_device_communicator_cls")
-    if getattr(getattr(hook, "__func__", hook), "_k3_accel", False):
+    if patching.patched(platform_cls, "get_device_communicator_cls") is not None:
         return True
     current = hook()
     if current != STOCK_QUALNAME:
@@ -352,7 +354,8 @@ def patch_platform(platform_cls: type) -> bool:
             platform_cls.__qualname__, current,
         )
         return False
-    platform_cls.get_device_communicator_cls = classmethod(_patched_get_device_communicator_cls)
+    patching.patch(platform_cls, "get_device_communicator_cls",
+                   classmethod(_patched_get_device_communicator_cls), hook=HOOK)
     return True
 
 
@@ -379,6 +382,6 @@ def install(platform_cls: Optional[type] = None) -> bool:
 
 # ``K3CudaCommunicator`` is also public; it is built lazily by ``__getattr__``.
 __all__ = [
-    "Overrides", "QUALNAME", "STOCK_QUALNAME", "Sizing",
+    "HOOK", "Overrides", "QUALNAME", "STOCK_QUALNAME", "Sizing",
     "install", "patch_platform", "setup_router", "sizing_from_vllm_config",
 ]

@@ -1,7 +1,7 @@
 """Driving the V2 remote speculator the way vLLM's V2 model runner does, on CPU.
 
-Shared by the ``test_vllm_v2_*`` modules (they import from here); the tests in
-this module check :mod:`k3_accel.vllm.v2_inputs` on its own.
+Used by the ``test_vllm_v2_*`` modules (the fixtures ``vllm_config`` and
+``tp_group`` in ``conftest.py`` build on it).
 
 What is real: vLLM's ``VllmConfig`` (built by ``EngineArgs`` from a tiny
 target + DFlash draft checkpoint), ``RequestState``, ``InputBuffers`` and the
@@ -29,14 +29,10 @@ os.environ.setdefault("VLLM_DISABLE_PYNCCL", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from helpers.oracles import ngram_lookup as lookup  # noqa: E402
-from helpers.ports import free_port  # noqa: E402
-from k3_accel.vllm import v2_inputs  # noqa: E402
-
-pytestmark = pytest.mark.vllm
+from .oracles import ngram_lookup as lookup  # noqa: E402
+from .ports import free_port  # noqa: E402
 
 K = 4                 # num_speculative_tokens of the test config
 HIDDEN = 128          # tiny target hidden size
@@ -244,107 +240,3 @@ class Sim:
             num_rejected=torch.zeros(num_reqs, dtype=torch.int32), last_sampled=rs.last_sampled_tokens,
             next_prefill_tokens=rs.next_prefill_tokens, temperature=torch.zeros(self.max_num_reqs),
             seeds=torch.zeros(self.max_num_reqs, dtype=torch.int64), dummy_run=True, **kw)
-
-
-# ================================================ v2_inputs on its own (no server)
-@pytest.fixture
-def sim():
-    pytest.importorskip("vllm.v1.worker.gpu.input_batch")
-    return Sim()
-
-
-def _build(sim: Sim, sched, keep=None, k=K, **kw):
-    ib, aux, num_sampled, num_rejected = sim.batch(sched)
-    counts = v2_inputs.batch_counts(ib, num_sampled, num_rejected)
-    keep = np.arange(len(sched)) if keep is None else np.asarray(keep)
-    rs = sim.req_states
-    return v2_inputs.build_step_input(ib, aux, counts, keep, rs.last_sampled_tokens, rs.next_prefill_tokens,
-                                      k, **kw), counts
-
-
-def test_valid_rows_anchors_and_hidden_follow_vllms_dflash_rule(sim):
-    sim.add("dec", list(range(10, 20)))
-    sim.add("pre", list(range(30, 50)))
-    sim.add("new", [5, 6, 7])
-    sched = [
-        # verify block at 10..14: token 19 + 4 drafts; 3 drafts rejected -> rows 10, 11 valid
-        Sched("dec", 10, [19, 100, 101, 102, 103], sampled=77, rejected=3, drafts=4),
-        # mid-prefill chunk 0..7: nothing sampled; anchor = next prompt token (38) at 8
-        Sched("pre", 0, list(range(30, 38)), next_prompt=38),
-        Sched("new", 0, [5, 6, 7], sampled=8),
-    ]
-    inp, counts = _build(sim, sched)
-    assert inp.req_ids == ["dec", "pre", "new"]
-    assert inp.counts == [2, 8, 3] and counts.valid.tolist() == [2, 8, 3]
-    assert inp.sampled == [True, False, True]
-    assert inp.positions.tolist() == [10, 11, *range(0, 8), 0, 1, 2]
-    assert inp.token_ids.tolist() == [19, 100, *range(30, 38), 5, 6, 7]
-    assert inp.anchor_tokens.tolist() == [77, 38, 8]
-    assert inp.anchor_positions.tolist() == [12, 8, 3]
-    # aux hidden states of the valid rows only, layers concatenated on the last dim in vLLM's order
-    assert inp.hidden.shape == (13, HIDDEN * len(AUX_LAYERS)) and inp.hidden.dtype == torch.bfloat16
-    want = torch.stack([torch.cat([Sim.aux_row(int(p), j) for j in range(len(AUX_LAYERS))])
-                        for p in inp.positions]).to(torch.bfloat16)
-    assert torch.equal(inp.hidden, want)
-    assert inp.k == K and inp.prompt_token_ids is None
-
-
-def test_dropped_requests_and_prefix_cache_prompts(sim):
-    sim.add("a", [1, 2, 3, 4])
-    sim.add("b", [9, 8, 7, 6, 5, 4], num_computed=4)    # prefix-cache hit: rows start at 4
-    sim.add("c", [3, 3, 3])
-    sched = [Sched("a", 0, [1, 2, 3, 4], sampled=5), Sched("b", 4, [5, 4], sampled=1),
-             Sched("c", 0, [3, 3, 3], sampled=3)]
-    asked = []
-
-    def prompt_of(i):
-        asked.append(i)
-        slot = int(sim.last_batch.idx_mapping_np[i])
-        return sim.req_states.all_token_ids.gpu[slot, :6].long()
-
-    inp, _ = _build(sim, sched, keep=[1, 2], prompt_of=prompt_of, first_seen=lambda rid: True)
-    assert inp.req_ids == ["b", "c"] and inp.counts == [2, 3]
-    assert inp.positions.tolist() == [4, 5, 0, 1, 2] and inp.token_ids.tolist() == [5, 4, 3, 3, 3]
-    assert inp.anchor_positions.tolist() == [6, 3]
-    assert asked == [1] and inp.prompt_token_ids["b"].tolist() == [9, 8, 7, 6, 5, 4]
-    inp, _ = _build(sim, sched, keep=[1], prompt_of=prompt_of, first_seen=lambda rid: False)
-    assert inp.prompt_token_ids is None                  # only asked for requests seen the first time
-
-
-def test_contiguous_batch_is_not_gathered(sim):
-    sim.add("x", [1, 2, 3])
-    sim.add("y", [4, 5])
-    ib, aux, ns, nr = sim.batch([Sched("x", 0, [1, 2, 3], sampled=4), Sched("y", 0, [4, 5], sampled=6)])
-    counts = v2_inputs.batch_counts(ib, ns, nr)
-    assert v2_inputs.row_index(counts, np.arange(2)) == slice(0, 5)
-    assert v2_inputs.row_index(counts, np.array([1])).tolist() == [3, 4]
-
-
-def test_max_tokens_one_is_found_from_request_state(sim):
-    sim.add("one", [1, 2, 3], max_tokens=1)
-    sim.add("many", [1, 2, 3], max_tokens=2)
-    ib, *_ = sim.batch([Sched("one", 0, [1, 2, 3], sampled=1), Sched("many", 0, [1, 2, 3], sampled=1)])
-    assert v2_inputs.finishes_after_prefill(ib, sim.req_states).tolist() == [True, False]
-    assert v2_inputs.finishes_after_prefill(ib, None).tolist() == [False, False]
-
-
-def test_a_block_with_no_valid_row_is_an_error(sim):
-    sim.add("z", [1, 2])
-    ib, aux, ns, nr = sim.batch([Sched("z", 0, [1, 2], sampled=3, rejected=2, drafts=2)])
-    with pytest.raises(ValueError, match="no valid context row"):
-        v2_inputs.batch_counts(ib, ns, nr)
-
-
-# ---------------------------------------------------------------- fixtures
-@pytest.fixture(scope="session")
-def vllm_config(tmp_path_factory):
-    """One real ``VllmConfig`` (dflash, K=4) per test session; the draft address comes from the env."""
-    pytest.importorskip("vllm.v1.worker.gpu.spec_decode")
-    return build_vllm_config(str(tmp_path_factory.mktemp("v2_models")))
-
-
-@pytest.fixture(scope="module")
-def tp_group(vllm_config):
-    """vLLM's distributed state for one rank (gloo): ``get_tp_group()`` works in this process."""
-    with vllm_world(vllm_config) as group:
-        yield group

@@ -1,55 +1,31 @@
-"""What both runner adapters share: target facts, the rank-0 client, the TP broadcast.
+"""The target's facts, the TP-rank-0 client and the broadcast that gives every rank the same drafts.
 
 Rank 0 of the TP group owns the :class:`DraftClient`; every rank calls
-:meth:`RemoteDraftSession.step` in lockstep and gets the same drafts.
+:meth:`RemoteDraftSession.step` in lockstep and gets the same drafts. "No
+draft" comes from the transport (-1, :meth:`StepOutput.empty` when a step
+fails); the runner adapters convert it to what their runner needs.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from k3_accel.config import from_vllm
 from k3_accel.transport.api import ClientSettings, StepInput, StepOutput
+from k3_accel.vllm.spec_decode.methods import HIDDEN_METHODS
+
+if TYPE_CHECKING:
+    from k3_accel.vllm.spec_decode.core import FailureLog
 
 log = logging.getLogger("k3_accel.vllm")
-
-# speculative methods a k3-draft-server drafts for (and, of them, those that ship aux hidden states)
-REMOTE_METHODS = ("dflash", "ngram")
-HIDDEN_METHODS = ("dflash",)
-# DFlash-method draft architectures that are not plain DFlash (vLLM drafts them with other code)
-_OTHER_DFLASH_ARCHS = ("DFlash2DraftModel", "DFlash2BeamDraftModel", "LiLiCorrDraftModel")
-
-
-def unserved_reason(spec: Any) -> str | None:
-    """Why a k3-draft-server cannot draft for this speculative config (None: it can)."""
-    if spec.method not in REMOTE_METHODS:
-        return f"method {spec.method!r} is drafted locally (remote methods: {list(REMOTE_METHODS)})"
-    archs = getattr(getattr(spec, "draft_model_config", None), "architectures", None) or ()
-    other = [a for a in archs if a in _OTHER_DFLASH_ARCHS or "XPress" in a]
-    if spec.method == "dflash" and other:
-        return f"draft architecture {other[0]} is not plain DFlash"
-    return None
-
-
-def remote_enabled(vllm_config: Any) -> bool:
-    """Remote drafting is on when speculation is configured, an address is set and the
-    method is one the draft server serves; any other method keeps vLLM's own drafting
-    (one warning that the address is ignored for it)."""
-    spec = vllm_config.speculative_config
-    if spec is None or not from_vllm(vllm_config).draft_address:
-        return False
-    why = unserved_reason(spec)
-    if why is not None:
-        log.warning("k3-accel: draft_address is ignored: %s", why)
-        return False
-    return True
 
 
 @dataclass(frozen=True)
 class TargetFacts:
+    """What the client must know about the target (from vLLM's config, never from the server)."""
     method: str
     num_speculative_tokens: int
     aux_layer_ids: tuple[int, ...]     # target layers whose outputs are shipped (empty: none)
@@ -99,12 +75,12 @@ def _tp_group():
 class RemoteDraftSession:
     """The rank-0 client plus the broadcast that gives every TP rank the same drafts."""
 
-    def __init__(self, vllm_config: Any, device: torch.device):
+    def __init__(self, vllm_config: Any, device: torch.device, failures: FailureLog):
         self.facts = target_facts(vllm_config)
         self.device = device
+        self.failures = failures
         self.group = _tp_group()
         self.client = None
-        self.errors = 0
         if self.group.rank_in_group == 0:
             from k3_accel.transport.client import DraftClient
             f = self.facts
@@ -132,14 +108,14 @@ class RemoteDraftSession:
         """Drafts ``[num_requests, k]`` int64 on ``self.device``, identical on every rank.
 
         The driver passes the step's input (None: no drafts this step); other
-        ranks pass None. Never raises on the driver: an error fails the step
-        closed (all -1) so every rank still reaches the broadcast.
+        ranks pass None. Never raises on the driver for a client error: the
+        step fails closed (no drafts) so every rank still reaches the broadcast.
         """
         drafts = None
         if self.client is not None and inp is not None:
             drafts = self._drive(inp, num_requests, k)
         if drafts is None:
-            drafts = torch.full((num_requests, k), -1, dtype=torch.int64, device=self.device)
+            drafts = StepOutput.empty(num_requests, k).drafts.to(self.device)
         if self.group.world_size > 1:
             drafts = self.group.broadcast(drafts, src=0)
         return drafts
@@ -147,15 +123,12 @@ class RemoteDraftSession:
     def _drive(self, inp: StepInput, num_requests: int, k: int) -> torch.Tensor | None:
         try:
             out: StepOutput = self.client.step(inp)
-        except Exception:
-            self.errors += 1
-            if self.errors <= 3:
-                log.exception("k3-accel: remote draft step failed; this step gets no drafts")
+            if tuple(out.drafts.shape) != (num_requests, k):
+                raise ValueError(f"drafts shape {list(out.drafts.shape)} != [{num_requests}, {k}]")
+            return out.drafts.to(self.device, non_blocking=True)
+        except Exception:  # noqa: BLE001 - fail closed; the transport disabled what it had to
+            self.failures.record("step", "the remote draft step")
             return None
-        if tuple(out.drafts.shape) != (num_requests, k):
-            log.error("k3-accel: drafts shape %s != [%d, %d]; no drafts", list(out.drafts.shape), num_requests, k)
-            return None
-        return out.drafts.to(self.device, non_blocking=True)
 
     def finish(self, req_ids: Iterable[str]) -> None:
         if self.client is not None:

@@ -4,7 +4,7 @@ An out-of-place all-reduce op in the ``vllm`` library namespace (Inductor's
 fast fallback covers only ``vllm::``), with an ``empty_like`` fake, so compiled
 and captured code can call the router explicitly. It resolves the group like
 stock ``vllm::all_reduce`` and goes through the group's device communicator —
-for the TP group that is :class:`~k3_accel.vllm.communicator.K3CudaCommunicator`,
+for the TP group that is :class:`~k3_accel.vllm.tp.communicator.K3CudaCommunicator`,
 i.e. the same router. Capture-safe as long as the chosen backend is (the ring's
 captured sizes are prepared at start-up; an unprepared size falls through to
 the stock backends during capture).

@@ -1,0 +1,169 @@
+"""The runner-independent half of remote drafting: one step, the same on V1 and V2.
+
+An adapter (:mod:`.v1`, :mod:`.v1_ngram`, :mod:`.v2`) reads vLLM's batch into
+request ids, the skip mask and a ``build`` callback that makes the step's
+:class:`~k3_accel.transport.api.StepInput`; :meth:`RemoteDrafter.step` does the
+rest and returns ``[R, k]`` drafts with the transport's "no draft" (-1), which
+the adapter converts to what its runner needs.
+
+Every TP rank calls :meth:`RemoteDrafter.step` in lockstep and takes the same
+decisions from host-side data only (request ids, the skip rule, the known
+book); only the driver rank (TP rank 0) builds the input and talks to the
+server.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Callable, Container, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from k3_accel.transport.api import StepInput, StepOutput
+
+log = logging.getLogger("k3_accel.vllm")
+
+MAX_LOGGED_FAILURES = 3
+NO_LIMIT = np.iinfo(np.int64).max      # max_tokens of a request without a limit
+
+
+def finishes_after_prefill(max_tokens: np.ndarray) -> np.ndarray:
+    """``[R]`` bool: the skip rule. A request that emits at most one token
+    (``max_tokens <= 1``) finishes with the step that samples its first token,
+    so it needs neither drafts nor remote context."""
+    return np.asarray(max_tokens, dtype=np.int64) <= 1
+
+
+class KnownRequests:
+    """Request ids the server has been told about, to free them when they leave vLLM."""
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self.ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def new(self, req_ids: Iterable[str]) -> list[str]:
+        """The ids seen for the first time (now known), in order."""
+        fresh = [r for r in req_ids if r not in self.ids]
+        self.ids.update(fresh)
+        return fresh
+
+    def departed(self, live: Container[str]) -> list[str]:
+        """Known ids no longer in ``live`` (now forgotten), sorted."""
+        gone = sorted(r for r in self.ids if r not in live)
+        self.ids.difference_update(gone)
+        return gone
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        self.ids.difference_update(req_ids)
+
+
+class FailureLog:
+    """Counts failures (``failures`` and ``failures.<kind>``); the first few are logged with
+    their traceback, later ones at debug level, so a dead server cannot flood the log.
+    Call :meth:`record` inside the ``except`` block."""
+
+    def __init__(self, counters: collections.Counter, limit: int = MAX_LOGGED_FAILURES):
+        self.counters = counters
+        self.limit = limit
+
+    def record(self, kind: str, what: str, outcome: str = "this step gets no drafts") -> None:
+        self.counters["failures"] += 1
+        self.counters[f"failures.{kind}"] += 1
+        if self.counters["failures"] <= self.limit:
+            log.exception("k3-accel: %s failed; %s", what, outcome)
+        else:
+            log.debug("k3-accel: %s failed; %s", what, outcome, exc_info=True)
+
+
+Build = Callable[[np.ndarray, list], StepInput]
+
+
+class RemoteDrafter:
+    """One engine's remote drafting: the session, the known-request book, counters, failures."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else None
+        self.counters: collections.Counter = collections.Counter()
+        self.failures = FailureLog(self.counters)
+        self.known = KnownRequests()
+        self.session: Any = None
+
+    def open(self, vllm_config: Any, device: torch.device | str) -> None:
+        """Connect (TP rank 0) and join the broadcast; idempotent while open."""
+        if self.session is None:
+            from k3_accel.vllm.spec_decode.session import RemoteDraftSession
+            self.device = torch.device(device)
+            self.session = RemoteDraftSession(vllm_config, self.device, self.failures)
+
+    @property
+    def ships_hidden(self) -> bool:
+        return self.session is not None and self.session.ships_hidden
+
+    def step(self, req_ids: Sequence[str], *, skip: np.ndarray, k: int, build: Build,
+             live: Container[str] | None = None, pad_to: int | None = None) -> torch.Tensor:
+        """Drafts ``[pad_to, k]`` int64 (``pad_to`` defaults to ``len(req_ids)``; padding rows
+        and skipped requests get no draft, -1), identical on every TP rank.
+
+        Frees the known requests not in ``live`` (vLLM dropped them) first.
+        ``skip[i]``: request ``i`` is left out (no context, no draft). The driver
+        calls ``build(keep, fresh)`` with the kept batch indices and the kept ids
+        seen for the first time; an exception there fails the step closed.
+        """
+        if live is not None:
+            self.free_departed(live)
+        r = len(req_ids)
+        rows = r if pad_to is None else pad_to
+        keep = np.flatnonzero(~np.asarray(skip, dtype=bool)[:r])
+        if keep.size < r:
+            self.counters["skipped_requests"] += r - int(keep.size)
+        if self.session is None or keep.size == 0:
+            if r and self.session is not None:
+                self.counters["skipped_steps"] += 1
+            return self._no_drafts(rows, k)
+        self.counters["steps"] += 1
+        fresh = self.known.new(req_ids[i] for i in keep.tolist())
+        inp = None
+        if self.session.is_driver:
+            try:
+                inp = build(keep, fresh)
+            except Exception:  # noqa: BLE001 - fail closed: None = no drafts, still broadcast
+                self.failures.record("step_input", "building the step input")
+        drafts = self.session.step(inp, int(keep.size), k)
+        if keep.size == rows:
+            return drafts
+        out = self._no_drafts(rows, k)
+        out[torch.from_numpy(keep).to(out.device)] = drafts
+        return out
+
+    def _no_drafts(self, rows: int, k: int) -> torch.Tensor:
+        drafts = StepOutput.empty(rows, k).drafts
+        return drafts if self.device is None else drafts.to(self.device)
+
+    def free_departed(self, live: Container[str]) -> None:
+        """Free the known requests vLLM dropped (finished or preempted) since the last step."""
+        gone = self.known.departed(live) if len(self.known) else []
+        if gone and self.session is not None:
+            try:
+                self.session.finish(gone)
+            except Exception:  # noqa: BLE001
+                self.failures.record("free", "freeing departed requests", "the server may keep them")
+
+    def stats(self) -> dict[str, Any]:
+        """The transport's statistics (rank 0) plus the adapter's counters under ``adapter``."""
+        transport = self.session.stats() if self.session is not None else {}
+        return {**transport, "adapter": {**self.counters, "known_requests": len(self.known)}}
+
+    def close(self) -> None:
+        """Drop the connection (idempotent, never raises); no drafts from here on."""
+        session, self.session = self.session, None
+        if session is not None:
+            try:
+                session.close()
+            except Exception:  # noqa: BLE001 - shutdown must not raise
+                log.debug("k3-accel: closing the draft session failed", exc_info=True)

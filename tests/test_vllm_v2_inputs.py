@@ -1,0 +1,103 @@
+"""The V2 adapter's translation of ``propose(...)`` arguments (no server): vLLM's own
+``InputBatch`` / ``RequestState`` on CPU (:mod:`helpers.v2_sim`) -> ``StepInput``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.v2_sim import AUX_LAYERS, HIDDEN, K, Sched, Sim
+from k3_accel.vllm.spec_decode import v2
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def sim():
+    pytest.importorskip("vllm.v1.worker.gpu.input_batch")
+    return Sim()
+
+
+def _build(sim: Sim, sched, keep=None, k=K, **kw):
+    ib, aux, num_sampled, num_rejected = sim.batch(sched)
+    rows = v2.batch_rows(ib, num_sampled, num_rejected)
+    keep = np.arange(len(sched)) if keep is None else np.asarray(keep)
+    rs = sim.req_states
+    return v2.build_step_input(ib, aux, rows, keep, rs.last_sampled_tokens, rs.next_prefill_tokens,
+                               k, **kw), rows
+
+
+def test_valid_rows_anchors_and_hidden_follow_vllms_dflash_rule(sim):
+    sim.add("dec", list(range(10, 20)))
+    sim.add("pre", list(range(30, 50)))
+    sim.add("new", [5, 6, 7])
+    sched = [
+        # verify block at 10..14: token 19 + 4 drafts; 3 drafts rejected -> rows 10, 11 valid
+        Sched("dec", 10, [19, 100, 101, 102, 103], sampled=77, rejected=3, drafts=4),
+        # mid-prefill chunk 0..7: nothing sampled; anchor = next prompt token (38) at 8
+        Sched("pre", 0, list(range(30, 38)), next_prompt=38),
+        Sched("new", 0, [5, 6, 7], sampled=8),
+    ]
+    inp, rows = _build(sim, sched)
+    assert inp.req_ids == ["dec", "pre", "new"]
+    assert inp.counts == [2, 8, 3] and rows.valid.tolist() == [2, 8, 3]
+    assert inp.sampled == [True, False, True]
+    assert inp.positions.tolist() == [10, 11, *range(0, 8), 0, 1, 2]
+    assert inp.token_ids.tolist() == [19, 100, *range(30, 38), 5, 6, 7]
+    assert inp.anchor_tokens.tolist() == [77, 38, 8]
+    assert inp.anchor_positions.tolist() == [12, 8, 3]
+    # aux hidden states of the valid rows only, layers concatenated on the last dim in vLLM's order
+    assert inp.hidden.shape == (13, HIDDEN * len(AUX_LAYERS)) and inp.hidden.dtype == torch.bfloat16
+    want = torch.stack([torch.cat([Sim.aux_row(int(p), j) for j in range(len(AUX_LAYERS))])
+                        for p in inp.positions]).to(torch.bfloat16)
+    assert torch.equal(inp.hidden, want)
+    assert inp.k == K and inp.prompt_token_ids is None
+
+
+def test_dropped_requests_and_prefix_cache_prompts(sim):
+    sim.add("a", [1, 2, 3, 4])
+    sim.add("b", [9, 8, 7, 6, 5, 4], num_computed=4)    # prefix-cache hit: rows start at 4
+    sim.add("c", [3, 3, 3])
+    sched = [Sched("a", 0, [1, 2, 3, 4], sampled=5), Sched("b", 4, [5, 4], sampled=1),
+             Sched("c", 0, [3, 3, 3], sampled=3)]
+    asked = []
+
+    def prompt_of(i):
+        asked.append(i)
+        slot = int(sim.last_batch.idx_mapping_np[i])
+        return sim.req_states.all_token_ids.gpu[slot, :6].long()
+
+    inp, _ = _build(sim, sched, keep=[1, 2], prompt_of=prompt_of, fresh=["b", "c"])
+    assert inp.req_ids == ["b", "c"] and inp.counts == [2, 3]
+    assert inp.positions.tolist() == [4, 5, 0, 1, 2] and inp.token_ids.tolist() == [5, 4, 3, 3, 3]
+    assert inp.anchor_positions.tolist() == [6, 3]
+    assert asked == [1] and inp.prompt_token_ids["b"].tolist() == [9, 8, 7, 6, 5, 4]
+    inp, _ = _build(sim, sched, keep=[1], prompt_of=prompt_of, fresh=["c"])
+    assert inp.prompt_token_ids is None                  # only asked for requests seen the first time
+
+
+def test_contiguous_batch_is_not_gathered(sim):
+    sim.add("x", [1, 2, 3])
+    sim.add("y", [4, 5])
+    ib, aux, ns, nr = sim.batch([Sched("x", 0, [1, 2, 3], sampled=4), Sched("y", 0, [4, 5], sampled=6)])
+    rows = v2.batch_rows(ib, ns, nr)
+    assert rows.row_index(np.arange(2)) == slice(0, 5)
+    assert rows.row_index(np.array([1])) == slice(3, 5)          # one request: one run
+    ib, aux, ns, nr = sim.batch([Sched("x", 3, [4, 9, 9], sampled=1, rejected=2, drafts=2),
+                                 Sched("y", 2, [6], sampled=7)])
+    assert v2.batch_rows(ib, ns, nr).row_index(np.arange(2)).tolist() == [0, 3]   # rejected rows left out
+
+
+def test_max_tokens_one_is_found_from_request_state(sim):
+    sim.add("one", [1, 2, 3], max_tokens=1)
+    sim.add("many", [1, 2, 3], max_tokens=2)
+    ib, *_ = sim.batch([Sched("one", 0, [1, 2, 3], sampled=1), Sched("many", 0, [1, 2, 3], sampled=1)])
+    assert v2.skip_mask(ib, sim.req_states).tolist() == [True, False]
+    assert v2.skip_mask(ib, None).tolist() == [False, False]
+
+
+def test_a_block_with_no_valid_row_is_an_error(sim):
+    sim.add("z", [1, 2])
+    ib, aux, ns, nr = sim.batch([Sched("z", 0, [1, 2], sampled=3, rejected=2, drafts=2)])
+    with pytest.raises(ValueError, match="no valid context row"):
+        v2.batch_rows(ib, ns, nr)
