@@ -218,3 +218,16 @@ def test_same_handle_twice_in_one_message_is_refused_whole():
     reply = svc.ingest(s, [(0, 3, [4]), (0, 4, [5])])
     assert not reply.ok and reply.error[0] == "BAD_REQUEST"
     assert svc.snapshot() == before
+
+
+def test_one_message_never_evicts_a_context_it_names():
+    """A request that resumes its own retained context, after another request of the same
+    message that needs the pool: the context is protected, the other one is refused."""
+    svc = LocalService(blocks=8, block_size=4)
+    s = svc.session("d" * 16)
+    assert codes(svc.ingest(s, [(0, 0, list(range(8)))])) == {}      # 2 blocks
+    assert svc.call(s, p.Free([0], True)).ok                          # retained
+    reply = svc.ingest(s, [(1, 0, list(range(28))), (0, 8, [9])])     # 7 blocks + 1, 6 free
+    assert reply.ok and codes(reply) == {0: "CAPACITY"}
+    assert svc.snapshot()[(s.key, 0, "active")][0] == (*range(8), 9)
+    svc.check_pool()

@@ -138,10 +138,10 @@ def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
             fresh += 1
         pending.append((i, state))
         need.append(store.engine.blocks_needed(state.engine_state, start, count) if count else 0)
-    total = 0
+    total, named = 0, [state for _, state in pending]   # no request evicts a context the message names
     for (i, state), blocks in zip(pending, need):
         try:
-            store.make_room(total + blocks, keep=out.states + [state])
+            store.make_room(total + blocks, keep=named)
         except RequestError as exc:
             out.fail(i, exc)
             continue
