@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from helpers.oracles import ngram_lookup
 from helpers.service import LocalService, codes
 from k3_accel import protocol as p
+from k3_accel.protocol import ErrorCode, ProtocolError
+from k3_accel.server import rows as r
 
 KEYS = ["a" * 16, "b" * 16]
 HANDLES = [0, 1, 2, 3]
@@ -231,3 +235,12 @@ def test_one_message_never_evicts_a_context_it_names():
     assert reply.ok and codes(reply) == {0: "CAPACITY"}
     assert svc.snapshot()[(s.key, 0, "active")][0] == (*range(8), 9)
     svc.check_pool()
+
+
+def test_counts_beyond_the_rows_are_refused_before_anything_is_summed():
+    big = 2 ** 63 - 1
+    svc = LocalService()
+    frames = (np.array([[5, 0, big], [6, 0, big], [7, 0, 2]], dtype=np.int64).data, b"")
+    with pytest.raises(ProtocolError) as info:
+        r.check_message(svc.request(p.Ingest(3, 0), *frames), svc.engine.caps)
+    assert info.value.code is ErrorCode.FRAME_MISMATCH

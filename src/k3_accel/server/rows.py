@@ -51,7 +51,7 @@ def check_message(req: p.Request, caps: EngineCaps) -> RowMessage:
     handles, starts, counts = meta[:, 0], meta[:, 1], meta[:, 2]
     if (handles < 0).any() or (starts < 0).any() or (counts < 0).any():
         raise ProtocolError(ErrorCode.BAD_FIELD, "handles, starts and counts must be >= 0")
-    if int(counts.sum()) != msg.rows:
+    if (counts > msg.rows).any() or int(counts.sum()) != msg.rows:   # (a count past rows could overflow the sum)
         raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"counts add up to {int(counts.sum())}, rows={msg.rows}")
     if len(np.unique(handles)) != len(handles):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "a request handle appears twice in one message")
