@@ -103,6 +103,20 @@ def test_declared_hidden_size_limit():
     assert e.code is ErrorCode.TOO_LARGE and e.seq == 9
 
 
+def test_total_message_size_limit():
+    """Frames that add up to more than the advertised limit are refused, whatever they are."""
+    tokens = np.arange(200, dtype=np.int64)         # 1,600 bytes
+    frames = _bytes(p.encode_request(5, p.Ingest(1, 200), meta([0], [0], [200]), tokens.data))
+    assert p.decode_request(frames, max_bytes=4096).tokens.tolist() == tokens.tolist()
+    e = _raise(frames, max_bytes=1024)
+    assert e.code is ErrorCode.TOO_LARGE and e.seq == 5 and "1024" in e.message
+
+
+def test_bool_is_not_an_int_and_the_field_is_named():
+    e = _raise([_header(2, 1, ["propose", True, 0, 0])])
+    assert e.code is ErrorCode.BAD_FIELD and e.seq == 1 and "propose.k" in e.message
+
+
 @pytest.mark.parametrize("msg, code", [
     (["free", [1], True, 9], ErrorCode.BAD_FIELD),       # an extra field
     (["free"], ErrorCode.BAD_FIELD),                     # a missing field
