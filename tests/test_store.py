@@ -7,6 +7,7 @@ checked instead (refused requests keep their state, the pool adds up).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 import numpy as np
@@ -244,3 +245,29 @@ def test_counts_beyond_the_rows_are_refused_before_anything_is_summed():
     with pytest.raises(ProtocolError) as info:
         r.check_message(svc.request(p.Ingest(3, 0), *frames), svc.engine.caps)
     assert info.value.code is ErrorCode.FRAME_MISMATCH
+
+
+def test_token_ids_outside_the_vocabulary_fail_only_their_request():
+    svc = LocalService()
+    s = svc.session("f" * 16)
+    assert codes(svc.ingest(s, [(0, 0, [1, 2, 3]), (1, 0, [4, 5])])) == {}
+    before = svc.snapshot()
+    reply = svc.propose(s, 3, [(0, 3, [1, -7], 2), (1, 2, [4], 5), (2, 0, [1], -1)])
+    assert codes(reply) == {0: "BAD_REQUEST", 2: "BAD_REQUEST"}
+    assert "-1" in reply.failures[1][2] and "token id" in reply.failures[0][2]
+    assert reply.tensors["drafts"].tolist() == [[-1] * 3, ngram_lookup([4, 5, 4, 5], 3) + [-1], [-1] * 3]
+    assert svc.snapshot()[(s.key, 0, "active")] == before[(s.key, 0, "active")]
+    assert (s.key, 2, "active") not in svc.snapshot()
+    svc.engine.caps = dataclasses.replace(svc.engine.caps, vocab_size=6)   # an engine with a vocabulary
+    assert codes(svc.propose(s, 3, [(0, 3, [6], 1), (1, 3, [5], 6), (2, 0, [5], 5)])) == \
+        {0: "BAD_REQUEST", 1: "BAD_REQUEST"}
+
+
+def test_reconnect_checks_its_handle_and_tokens():
+    svc = LocalService()
+    s = svc.session("g" * 16)
+    before = svc.snapshot()
+    for handle, tokens, code in ((-1, [1, 2], "BAD_FIELD"), (1 << 63, [1], "BAD_FIELD"), (0, [1, -2], "BAD_REQUEST")):
+        reply = svc.reconnect(s, handle, tokens)
+        assert not reply.ok and reply.error[0] == code, reply
+    assert svc.snapshot() == before and svc.store.num_active == 0

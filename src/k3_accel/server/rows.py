@@ -94,7 +94,20 @@ def bad_rows(hidden: torch.Tensor | None, offsets: np.ndarray) -> np.ndarray:
     if hidden is None or hidden.shape[0] == 0:
         return np.zeros(len(offsets) - 1, dtype=np.int64)
     bad = (~torch.isfinite(hidden).all(dim=1)).numpy().astype(np.int64)
-    running = np.concatenate(([0], np.cumsum(bad)))
+    return _per_request(bad, offsets)
+
+
+def outside_vocab(ids: np.ndarray, vocab: int) -> np.ndarray:
+    """Which token ids no engine can hold: negative ones, and ``>= vocab`` when it is known."""
+    return (ids < 0) | (ids >= vocab) if vocab else ids < 0
+
+
+def vocab_text(vocab: int) -> str:
+    return f"the vocabulary 0..{vocab - 1}" if vocab else "0..2**63-1"
+
+
+def _per_request(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    running = np.concatenate(([0], np.cumsum(flags, dtype=np.int64)))
     return running[offsets[1:]] - running[offsets[:-1]]
 
 
@@ -113,6 +126,8 @@ def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
     """Per-request checks and pool admission; changes nothing but the retained LRU."""
     out, vocab = Admitted(), store.engine.caps.vocab_size
     bad = bad_rows(rows.hidden, rows.offsets)
+    bad_ids = _per_request(outside_vocab(rows.tokens, vocab), rows.offsets)
+    bad_anchors = outside_vocab(rows.anchors, vocab) if rows.anchors is not None else np.zeros(rows.n, bool)
     need, fresh, pending = [], 0, []
     for i, (handle, start, count) in enumerate(zip(rows.handles.tolist(), rows.starts.tolist(),
                                                    rows.counts.tolist())):
@@ -124,9 +139,12 @@ def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
                                                           f"its context ends at {length}")
             if bad[i]:
                 raise RequestError(ErrorCode.NON_FINITE, f"request {handle}: {bad[i]} hidden row(s) hold NaN or Inf")
-            if rows.anchors is not None and vocab and not 0 <= int(rows.anchors[i]) < vocab:
+            if bad_ids[i]:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"request {handle}: {bad_ids[i]} token id(s) outside "
+                                                          f"{vocab_text(vocab)}")
+            if bad_anchors[i]:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"request {handle}: anchor token "
-                                                          f"{int(rows.anchors[i])} outside the vocabulary 0..{vocab - 1}")
+                                                          f"{int(rows.anchors[i])} outside {vocab_text(vocab)}")
             if state is None or session.active.get(handle) is not state:
                 store.check_room(session, fresh + 1)
         except RequestError as exc:
