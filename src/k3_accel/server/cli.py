@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--curve-authorized-keys", metavar="DIR", help="directory of authorized client public keys")
     ap.add_argument("--allow-insecure-remote", action="store_true",
                     help="allow a non-loopback bind without CURVE (anyone who reaches the port can use it)")
-    ap.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO")
+    ap.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO",
+                    help="log verbosity (stderr)")
     return ap
 
 
