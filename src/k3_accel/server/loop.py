@@ -115,6 +115,8 @@ class ServerLoop:
         proposes = []
         for conn in heads:
             item = conn.queue[0]
+            if conn.session is not None and not self.service.store.is_open(conn.session):
+                conn.session = None           # its session ended (bye, perhaps on another connection)
             if isinstance(item, Reply):
                 self._send(conn, item)
             elif conn.session is None or isinstance(item.msg, p.Hello):
