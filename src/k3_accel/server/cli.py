@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--http-port", type=_int_in(0, 65535), default=8095,
                     help="port of /healthz, /readyz and /metrics (0 = any free port)")
     ap.add_argument("--max-requests", type=_int_in(1), default=1024,
-                    help="active requests per client session (a quota: one target cannot starve the others)")
+                    help="active requests per client session (a quota: one target cannot starve the others; "
+                         "at most --max-requests-total)")
     ap.add_argument("--max-requests-total", type=_int_in(1), default=4096,
                     help="active requests over all client sessions")
     ap.add_argument("--lease-s", type=_float_min(0.0), default=20.0,
@@ -171,8 +172,8 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> None:
     log.info("http on %s:%d (/healthz /readyz /metrics)", args.host, http.port)
     try:
         engine = build_engine(args)
-        store = RequestStore(engine, max_requests=args.max_requests,
-                             max_requests_total=max(args.max_requests_total, args.max_requests),
+        store = RequestStore(engine, max_requests=min(args.max_requests, args.max_requests_total),
+                             max_requests_total=args.max_requests_total,
                              max_retained=args.max_retained_requests)
         service = DraftService(engine, store, metrics, max_message_bytes=args.max_message_mb * MIB,
                                lease_s=args.lease_s)
