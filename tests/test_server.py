@@ -6,7 +6,6 @@ shared server; server-wide counters are compared before and after.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -301,16 +300,6 @@ def test_malformed_checkpoint_fails_startup_with_a_message(tmp_path):
                            ready=False, capture=True)
     rc = server.proc.wait(120)
     assert rc == 1 and "cannot load the dflash engine" in server.proc.stdout.read()
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_cleanly(sig):
-    server = ServerProcess("--engine", "ngram")
-    w = Wire(server.address)
-    assert w.call(p.Stats()).ok
-    server.proc.send_signal(sig)
-    assert server.proc.wait(60) == 0
-    w.close()
 
 
 def test_installed_console_script_answers_readyz():

@@ -32,6 +32,8 @@ from k3_accel.server.state import Session
 log = logging.getLogger("k3_accel.server")
 POLL_MS = 100
 HOUSEKEEPING_S = 0.5
+DRAIN_QUIET_MS = 300      # shutdown: answer what arrives until the socket is quiet this long ...
+DRAIN_MAX_S = 3.0         # ... but no longer than this
 
 
 @dataclass(eq=False)
@@ -66,10 +68,12 @@ class ServerLoop:
     def serve(self, stop: threading.Event) -> None:
         self.ready.set()
         try:
-            while not stop.is_set():
+            while True:
                 busy = any(c.queue for c in self._conns.values())
                 if self.sock.poll(0 if busy else POLL_MS, zmq.POLLIN):
                     self._receive_all()
+                if stop.is_set():
+                    break                     # what waits now is answered SHUTTING_DOWN
                 if any(c.queue for c in self._conns.values()):
                     self._round()
                 self._housekeeping()
@@ -170,11 +174,16 @@ class ServerLoop:
         self.service.metrics.refresh(store.summary)
 
     def _drain(self) -> None:
-        """Answer everything that arrived but was not handled before shutdown."""
-        self._receive_all()
-        for conn in self._conns.values():
-            while conn.queue:
-                item = conn.queue.popleft()
-                seq = item.seq if isinstance(item, (p.Request, Reply)) else -1
-                self._send(conn, p.error_reply(seq, self.service.server_id, ErrorCode.SHUTTING_DOWN,
-                                               "server is stopping"))
+        """Answer SHUTTING_DOWN to everything that arrived but was not handled: what is queued,
+        and what keeps arriving until the socket has been quiet for DRAIN_QUIET_MS (ZMQ's I/O
+        thread may still be handing over messages that reached the host before the stop)."""
+        give_up = time.monotonic() + DRAIN_MAX_S
+        while True:
+            self._receive_all()
+            for conn in self._conns.values():
+                while conn.queue:
+                    item = conn.queue.popleft()
+                    self._send(conn, p.error_reply(item.seq, self.service.server_id, ErrorCode.SHUTTING_DOWN,
+                                                   "server is stopping"))
+            if time.monotonic() > give_up or not self.sock.poll(DRAIN_QUIET_MS, zmq.POLLIN):
+                return
