@@ -200,7 +200,11 @@ class DraftService:
         return self._ok(req, result={"released": self.store.clear(session)})
 
     def _bye(self, session: Session, req: p.Request) -> Reply:
-        return self._ok(req, result={"released": self.store.close_session(session)})
+        return self._ok(req, result={"released": self._close(session)})
+
+    def _close(self, session: Session) -> int:
+        self.metrics.session_closed(session.name)
+        return self.store.close_session(session)
 
     def _ping(self, session: Session, req: p.Request) -> Reply:
         return self._ok(req)
@@ -218,7 +222,7 @@ class DraftService:
 
     def reclaim(self, session: Session, why: str) -> None:
         """Free a session whose client went away (lease expired)."""
-        released = self.store.close_session(session)
+        released = self._close(session)
         self.metrics.reclaimed(session.name)
         log.warning("session %s reclaimed (%s): %d active request(s) freed", session.name, why, released)
 
