@@ -1,5 +1,8 @@
 """The ROUTER socket loop: receive, decode, schedule, reply.
 
+One ROUTER socket, bound to every endpoint given (``tcp://`` and, for
+clients on the same host, ``ipc://``).
+
 Each connection (ROUTER identity) has a FIFO of decoded messages; a
 connection's messages are handled strictly in arrival order and its replies
 leave in that order. Each round takes the head message of every connection:
@@ -20,6 +23,8 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
 
 import zmq
 
@@ -45,7 +50,7 @@ class _Conn:
 
 
 class ServerLoop:
-    def __init__(self, service: DraftService, endpoint: str, max_message_bytes: int,
+    def __init__(self, service: DraftService, endpoints: Sequence[str], max_message_bytes: int,
                  ctx: zmq.Context | None = None, curve: CurveGuard | None = None, lease_s: float = 0.0):
         self.service = service
         self.max_message_bytes = max_message_bytes
@@ -58,8 +63,14 @@ class ServerLoop:
         self.curve = curve is not None
         if curve is not None:
             curve.apply(self.sock)
-        self.sock.bind(endpoint)
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoints = []                  # as bound (a tcp port 0 resolved)
+        try:
+            for endpoint in endpoints:
+                self.sock.bind(endpoint)
+                self.endpoints.append(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        except zmq.ZMQError:
+            self.sock.close(linger=0)        # else the context's term() waits for it forever
+            raise
         self.ready = threading.Event()
         self._conns: dict[bytes, _Conn] = {}
         self._next_housekeeping = 0.0
@@ -81,6 +92,9 @@ class ServerLoop:
             self.ready.clear()
             self._drain()
             self.sock.close()
+            for endpoint in self.endpoints:   # leave no socket file behind
+                if endpoint.startswith("ipc://"):
+                    Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
 
     def _receive_all(self) -> None:
         while True:
