@@ -64,8 +64,8 @@ class LocalService:
                   *self.store.retained.values()]
         for state in states:
             table = self.engine.table(state.engine_state)
-            assert table.length == state.length == len(state.engine_state.tokens)
-            assert state.engine_state.tokens == state.history.tolist()
+            assert table.length == state.length == state.engine_state.length
+            assert state.engine_state.history.tolist() == state.history.tolist()   # the engine's own copy
             assert len(table.blocks) == pool.blocks_for(table.length)
             refs.update(table.blocks)
         assert pool.used_blocks == len(refs)

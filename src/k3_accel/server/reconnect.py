@@ -15,7 +15,7 @@ import torch
 
 from k3_accel.protocol import ErrorCode
 from k3_accel.server.engines.base import IngestBatch
-from k3_accel.server.rows import outside_vocab, vocab_text
+from k3_accel.server.rows import outside_vocab, token_tensor, vocab_text
 from k3_accel.server.state import RequestError, RequestState, RequestStore, Session
 
 _PROBE = 16   # tokens compared first, to skip unrelated contexts cheaply
@@ -72,7 +72,7 @@ def reconnect(store: RequestStore, session: Session, handle: int, tokens: np.nda
     if fill:
         engine.ingest(IngestBatch([state.engine_state], [length], [fill],
                                   torch.arange(length, wanted, dtype=torch.int64),
-                                  torch.from_numpy(np.ascontiguousarray(tokens[length:]))))
+                                  token_tensor(tokens[length:])))
         state.write_tokens(length, tokens[length:])
     store.replace(old, state)
     return length

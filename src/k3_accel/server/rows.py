@@ -15,6 +15,7 @@ Engines trust what reaches them.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,6 +96,13 @@ def bad_rows(hidden: torch.Tensor | None, offsets: np.ndarray) -> np.ndarray:
         return np.zeros(len(offsets) - 1, dtype=np.int64)
     bad = (~torch.isfinite(hidden).all(dim=1)).numpy().astype(np.int64)
     return _per_request(bad, offsets)
+
+
+def token_tensor(ids: np.ndarray) -> torch.Tensor:
+    """Token ids for an engine, zero-copy: they may view a read-only frame (engines never write them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # torch warns about read-only arrays
+        return torch.from_numpy(np.ascontiguousarray(ids))
 
 
 def outside_vocab(ids: np.ndarray, vocab: int) -> np.ndarray:
@@ -192,7 +200,7 @@ def apply(store: RequestStore, rows: RowMessage, admitted: Admitted) -> int:
             starts, counts = starts[changed], counts[changed]
         store.engine.ingest(IngestBatch(
             [admitted.states[j].engine_state for j in changed], starts.tolist(), counts.tolist(),
-            torch.from_numpy(positions), torch.from_numpy(np.ascontiguousarray(tokens)), hidden))
+            torch.from_numpy(positions), token_tensor(tokens), hidden))
     for state, start, a, b in zip(admitted.states, rows.starts[idx].tolist(), offsets[:-1].tolist(),
                                   offsets[1:].tolist()):
         state.write_tokens(start, tokens[a:b])
