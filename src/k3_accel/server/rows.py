@@ -88,6 +88,8 @@ def _check_propose(msg: p.Propose, caps: EngineCaps) -> None:
         raise ProtocolError(ErrorCode.UNSUPPORTED, f"engine {caps.kind} returns no logits")
     if msg.logits == "topk" and not (caps.supports_topk and msg.topk > 0):
         raise ProtocolError(ErrorCode.UNSUPPORTED, f"engine {caps.kind}: top-k needs supports_topk and topk > 0")
+    if msg.logits == "topk" and caps.vocab_size and msg.topk > caps.vocab_size:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"topk={msg.topk} exceeds the vocabulary ({caps.vocab_size})")
 
 
 def bad_rows(hidden: torch.Tensor | None, offsets: np.ndarray) -> np.ndarray:
