@@ -271,3 +271,11 @@ def test_reconnect_checks_its_handle_and_tokens():
         reply = svc.reconnect(s, handle, tokens)
         assert not reply.ok and reply.error[0] == code, reply
     assert svc.snapshot() == before and svc.store.num_active == 0
+
+
+def test_a_request_refused_for_the_pool_takes_no_request_slot():
+    svc = LocalService(blocks=4, block_size=4, max_requests=2)
+    s = svc.session("h" * 16)
+    reply = svc.ingest(s, [(0, 0, [1] * 20), (1, 0, [1]), (2, 0, [2])])     # 5 blocks: more than the pool
+    assert codes(reply) == {0: "CAPACITY"}
+    assert sorted(s.active) == [1, 2]

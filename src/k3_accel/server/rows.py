@@ -133,14 +133,16 @@ class Admitted:
 
 
 def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
-    """Per-request checks and pool admission; changes nothing but the retained LRU."""
+    """Per-request checks, request limits and pool room, in message order; changes nothing but
+    the retained LRU (never a context the message names)."""
     out, vocab = Admitted(), store.engine.caps.vocab_size
     bad = bad_rows(rows.hidden, rows.offsets)
     bad_ids = _per_request(outside_vocab(rows.tokens, vocab), rows.offsets)
     bad_anchors = outside_vocab(rows.anchors, vocab) if rows.anchors is not None else np.zeros(rows.n, bool)
-    need, fresh, pending = [], 0, []
-    for i, (handle, start, count) in enumerate(zip(rows.handles.tolist(), rows.starts.tolist(),
-                                                   rows.counts.tolist())):
+    handles = rows.handles.tolist()
+    named = [s for s in (store.lookup(session, h) for h in handles) if s is not None]
+    fresh = total = 0                 # requests this message activates, pool blocks it takes
+    for i, (handle, start, count) in enumerate(zip(handles, rows.starts.tolist(), rows.counts.tolist())):
         state = store.lookup(session, handle)
         try:
             length = state.length if state is not None else 0
@@ -155,24 +157,17 @@ def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
             if bad_anchors[i]:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"request {handle}: anchor token "
                                                           f"{int(rows.anchors[i])} outside {vocab_text(vocab)}")
-            if state is None or session.active.get(handle) is not state:
+            new = state is None or session.active.get(handle) is not state
+            if new:
                 store.check_room(session, fresh + 1)
-        except RequestError as exc:
-            out.fail(i, exc)
-            continue
-        if state is None:
-            state = store.new_state(session, handle)
-        if session.active.get(handle) is not state:
-            fresh += 1
-        pending.append((i, state))
-        need.append(store.engine.blocks_needed(state.engine_state, start, count) if count else 0)
-    total, named = 0, [state for _, state in pending]   # no request evicts a context the message names
-    for (i, state), blocks in zip(pending, need):
-        try:
+            if state is None:
+                state = store.new_state(session, handle)
+            blocks = store.engine.blocks_needed(state.engine_state, start, count) if count else 0
             store.make_room(total + blocks, keep=named)
         except RequestError as exc:
             out.fail(i, exc)
             continue
+        fresh += new
         total += blocks
         out.index.append(i)
         out.states.append(state)
