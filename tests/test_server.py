@@ -72,6 +72,19 @@ def test_hello_reports_capabilities_and_server_id(wire):
     assert caps.max_message_bytes == p.DEFAULT_MAX_MESSAGE_BYTES
 
 
+def test_a_session_key_must_be_a_secret(server):
+    w = Wire(server.address, hello=False)
+    try:
+        for key in ("", "short", "x" * 129):
+            reply = w.call(p.Hello(key, "weak"))
+            assert not reply.ok and reply.error[0] == "BAD_FIELD" and "16..128" in reply.error[1]
+            assert w.call(p.Ping()).error[0] == "NO_SESSION"
+        assert w.call(p.Hello("x" * 16, "ok")).ok and w.call(p.Ping()).ok
+    finally:
+        w.call(p.Bye())
+        w.close()
+
+
 def test_ingest_then_propose_gives_prompt_lookup(wire):
     before = stats(wire)
     assert wire.ingest([(0, 0, HISTORY[:6])]).raise_for_error().failures == []

@@ -92,6 +92,9 @@ class _Msg(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=T
     pass
 
 
+SESSION_KEY_CHARS = (16, 128)   # a session key's length: a secret that cannot be guessed
+
+
 class Hello(_Msg, tag="hello"):
     session: str                 # the namespace key: secret, stable across this client's reconnects
     client: str = ""             # a label for logs and metrics

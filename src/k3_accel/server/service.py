@@ -71,6 +71,10 @@ class DraftService:
     # ------------------------------------------------------------------ entry
     def hello(self, req: p.Request, owner: str | None) -> tuple[Session | None, Reply]:
         """Open (or reclaim) the session the hello names; the reply carries the caps."""
+        low, high = p.SESSION_KEY_CHARS
+        if not low <= len(req.msg.session) <= high:
+            return None, self._done(req, p.error_reply(req.seq, self.server_id, ErrorCode.BAD_FIELD,
+                                                       f"hello.session: a secret of {low}..{high} characters"))
         try:
             session = self.store.open_session(req.msg.session, req.msg.client, owner)
         except RequestError as exc:
