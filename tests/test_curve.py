@@ -36,7 +36,7 @@ def keys(tmp_path_factory):
 def server(keys):
     certs, authorized = keys
     s = ServerProcess("--engine", "ngram", "--curve-secret-key", str(certs / "server.key_secret"),
-                      "--curve-authorized-keys", str(authorized))
+                      "--curve-authorized-keys", str(authorized), "--lease-s", "0")
     yield s
     assert s.stop() == 0
 

@@ -21,7 +21,7 @@ from k3_accel import protocol as p
 
 HISTORY = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]   # repetitive: prompt lookup proposes 7 8 5 6 ...
 ARGS = ("--engine", "ngram", "--block-size", "4", "--max-requests", "8", "--max-retained-requests", "2",
-        "--num-speculative-tokens", "8")
+        "--num-speculative-tokens", "8", "--lease-s", "0")   # (leases: test_server_sessions.py)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_hello_reports_capabilities_and_server_id(wire):
     assert reply.ok and reply.server_id and p.caps_from_result(reply.result) == caps
     assert caps.engine == "ngram" and not caps.needs_hidden_states and caps.vocab_size == 0
     assert caps.max_spec_tokens == 8 and caps.max_requests == 8 and caps.block_size == 4
-    assert caps.protocol == p.PROTOCOL_VERSION and caps.lease_s == 20.0
+    assert caps.protocol == p.PROTOCOL_VERSION and caps.lease_s == 0.0
     assert caps.pool_blocks > 0 and caps.pool_bytes == caps.pool_blocks * 4 * 32
     assert caps.max_message_bytes == p.DEFAULT_MAX_MESSAGE_BYTES
 

@@ -14,7 +14,7 @@ TOTAL = 5
 def server():
     # a 1 MiB pool of 16-row blocks; --max-requests is left at its default (1024)
     s = ServerProcess("--engine", "ngram", "--memory-budget-mb", "1", "--block-size", "16",
-                      "--max-requests-total", str(TOTAL), "--max-retained-requests", "4")
+                      "--max-requests-total", str(TOTAL), "--max-retained-requests", "4", "--lease-s", "0")
     yield s
     assert s.stop() == 0
 

@@ -34,7 +34,7 @@ def ref(ckpt):
 @pytest.fixture(scope="module")
 def server(ckpt):
     s = ServerProcess("--engine", "dflash", "--draft-model", str(ckpt[0]), "--target-model", str(ckpt[1]),
-                      "--block-size", "4", "--memory-budget-mb", "4")
+                      "--block-size", "4", "--memory-budget-mb", "4", "--lease-s", "0")
     yield s
     assert s.stop() == 0
 

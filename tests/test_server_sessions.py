@@ -129,7 +129,7 @@ time.sleep(600)
 
 
 def test_lease_reclaims_a_killed_client_and_spares_one_that_keeps_talking():
-    server = ServerProcess("--engine", "ngram", "--lease-s", "4")
+    server = ServerProcess("--engine", "ngram", "--lease-s", "8")   # long beside the talker's 0.1 s pings
     key = "k" * 32
     child = subprocess.Popen([sys.executable, "-c", CHILD.format(tests=TESTS, address=server.address, key=key)],
                              stdout=subprocess.PIPE, text=True, env=src_env())
