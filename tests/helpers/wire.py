@@ -21,7 +21,7 @@ def ints(values) -> memoryview:
 
 
 class Wire:
-    def __init__(self, address: str, timeout_ms: int = 20000, session: str | None = None,
+    def __init__(self, address: str, timeout_ms: int = 60000, session: str | None = None,
                  hello: bool = True, **sockopts):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
