@@ -65,6 +65,9 @@ def test_same_handles_in_two_sessions_draft_from_their_own_history(server):
         _store(b, B)
         assert _expected(A, 1) != _expected(B, 1)
         assert _ask(a, A, 1) == _expected(A, 1) and _ask(b, B, 9) == _expected(B, 9)
+        # b's reconnect only ever finds b's contexts (a holds [1, 2, 3, 1, 2])
+        assert b.call(p.Reconnect(5, 4), ints([1, 2, 3, 1])).raise_for_error().result == {"restored": 0}
+        assert a.call(p.Reconnect(5, 4), ints([1, 2, 3, 1])).raise_for_error().result == {"restored": 4}
         # a's rewind of its handle 0 leaves b's handle 0 alone
         assert drafts(a, [(0, 2, [], 1)]) == [lookup([1, 2, 1])]
         assert _ask(b, B, 4) == _expected(B, 4)
@@ -72,9 +75,6 @@ def test_same_handles_in_two_sessions_draft_from_their_own_history(server):
             a.call(msg).raise_for_error()
             assert _ask(b, B, 5) == _expected(B, 5), msg
         assert [f[1] for f in a.propose(K, [(1, 4, [], 7)]).failures] == ["CONTEXT_GAP"]
-        # b's reconnect only ever finds b's contexts
-        reply = b.call(p.Reconnect(5, 4), ints([1, 2, 3, 1]))
-        assert reply.raise_for_error().result == {"restored": 0}
         a.call(p.Bye()).raise_for_error()
         assert _ask(b, B, 5) == _expected(B, 5)
         assert consistent(stats(b))
