@@ -71,13 +71,17 @@ def test_same_handles_in_two_sessions_draft_from_their_own_history(server):
         # a's rewind of its handle 0 leaves b's handle 0 alone
         assert drafts(a, [(0, 2, [], 1)]) == [lookup([1, 2, 1])]
         assert _ask(b, B, 4) == _expected(B, 4)
-        for msg in (p.Free([1], retain=False), p.Clear()):
+        for w in (a, b):                    # each keeps a retained context as well
+            _store(w, {7: [6, 6, 6, 6]})
+            w.call(p.Free([7])).raise_for_error()
+        for msg in (p.Free([1, 7], retain=False), p.Clear(), p.Bye()):
             a.call(msg).raise_for_error()
             assert _ask(b, B, 5) == _expected(B, 5), msg
-        assert [f[1] for f in a.propose(K, [(1, 4, [], 7)]).failures] == ["CONTEXT_GAP"]
-        a.call(p.Bye()).raise_for_error()
-        assert _ask(b, B, 5) == _expected(B, 5)
+            assert stats(b)["sessions"][stats(b)["session"]]["retained"] == 1, msg
+        assert b.call(p.Reconnect(8, 4), ints([6] * 4)).raise_for_error().result == {"restored": 4}
         assert consistent(stats(b))
+        a.call(p.Hello(a.session)).raise_for_error()
+        assert [f[1] for f in a.propose(K, [(1, 4, [], 7)]).failures] == ["CONTEXT_GAP"]
     finally:
         a.close()
         b.close()
