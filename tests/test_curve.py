@@ -1,4 +1,5 @@
-"""CURVE authentication: authorized clients are answered, others get nothing."""
+"""CURVE: authorized clients are answered, others get nothing; sessions are bound to client keys;
+the real DraftClient applies its keys (issue 14)."""
 from __future__ import annotations
 
 import shutil
@@ -7,46 +8,108 @@ import pytest
 import zmq
 import zmq.auth
 
+from helpers.oracles import ngram_lookup
+from helpers.server import ServerProcess
+from helpers.steps import settings, step
+from helpers.wire import Wire
 from k3_accel import protocol as p
 from k3_accel.server.security import SecurityError, check_bind, is_loopback
-from conftest import ServerProcess, Wire
+from k3_accel.transport.client import DraftClient
+from k3_accel.transport.link import State
+
+HISTORY = [5, 6, 7, 5, 6, 7, 5]
 
 
-@pytest.fixture
-def keys(tmp_path):
-    certs, authorized = tmp_path / "certs", tmp_path / "authorized"
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    root = tmp_path_factory.mktemp("curve")
+    certs, authorized = root / "certs", root / "authorized"
     certs.mkdir(), authorized.mkdir()
-    for name in ("server", "client", "rogue"):
+    for name in ("server", "client", "other", "rogue"):
         zmq.auth.create_certificates(str(certs), name)
-    shutil.copy(certs / "client.key", authorized / "client.key")
+    for name in ("client", "other"):
+        shutil.copy(certs / f"{name}.key", authorized / f"{name}.key")
     return certs, authorized
 
 
-def _client(server, certs, name, timeout_ms=10000):
+@pytest.fixture(scope="module")
+def server(keys):
+    certs, authorized = keys
+    s = ServerProcess("--engine", "ngram", "--curve-secret-key", str(certs / "server.key_secret"),
+                      "--curve-authorized-keys", str(authorized), "--lease-s", "0")
+    yield s
+    assert s.stop() == 0
+
+
+def _wire(server, certs, name, timeout_ms=20000, **kw) -> Wire:
     public, secret = zmq.auth.load_certificate(str(certs / f"{name}.key_secret"))
     server_public, _ = zmq.auth.load_certificate(str(certs / "server.key"))
     return Wire(server.address, timeout_ms=timeout_ms, curve_secretkey=secret, curve_publickey=public,
-                curve_serverkey=server_public)
+                curve_serverkey=server_public, **kw)
 
 
-def test_authorized_client_works_and_unauthorized_gets_nothing(keys):
-    certs, authorized = keys
-    server = ServerProcess("--curve-secret-key", str(certs / "server.key_secret"),
-                           "--curve-authorized-keys", str(authorized))
+def test_authorized_client_works_and_unauthorized_gets_nothing(server, keys):
+    certs, _ = keys
+    good = _wire(server, certs, "client")
+    rogue = _wire(server, certs, "rogue", timeout_ms=1500, hello=False)
+    plain = Wire(server.address, timeout_ms=1500, hello=False)            # no CURVE at all
     try:
-        good = _client(server, certs, "client")
-        assert good.call(p.Hello()).ok
-        rogue = _client(server, certs, "rogue", timeout_ms=1500)
-        with pytest.raises(TimeoutError):
-            rogue.call(p.Hello())
-        plain = Wire(server.address, timeout_ms=1500)      # no CURVE at all
-        with pytest.raises(TimeoutError):
-            plain.call(p.Hello())
-        assert good.call(p.Stats()).ok                      # the good one is still served
+        for w in (rogue, plain):
+            with pytest.raises(TimeoutError):
+                w.call(p.Hello(w.session))
+        assert good.call(p.Stats()).ok                                     # the good one is still served
+    finally:
         for w in (good, rogue, plain):
             w.close()
+
+
+def test_a_session_belongs_to_the_client_key_that_opened_it(server, keys):
+    certs, _ = keys
+    owner = _wire(server, certs, "client")
+    owner.ingest([(0, 0, HISTORY)]).raise_for_error()
+    thief = _wire(server, certs, "other", hello=False)                    # authorized, but another key
+    again = None
+    try:
+        reply = thief.call(p.Hello(owner.session, "thief"))
+        assert not reply.ok and reply.error[0] == "NOT_OWNER"
+        for msg in (p.Clear(), p.Bye(), p.Free([0], retain=False)):         # and it is bound to nothing
+            assert thief.call(msg).error[0] == "NO_SESSION"
+        assert thief.call(p.Hello(thief.session)).ok                       # its own session is fine
+        again = _wire(server, certs, "client", session=owner.session)      # the owner's key reclaims it
+        got = again.propose(4, [(0, len(HISTORY), [], 6)]).raise_for_error().tensors["drafts"].tolist()
+        want = ngram_lookup(HISTORY + [6], 4)
+        assert got == [want + [-1] * (4 - len(want))]
     finally:
-        assert server.stop() == 0
+        for w in (owner, thief, again):
+            if w is not None:
+                w.close()
+
+
+def _client(server, certs, client_key, server_key="server", **kw) -> DraftClient:
+    extra = {} if client_key is None else {"curve_server_key": str(certs / f"{server_key}.key"),
+                                           "curve_client_key": str(certs / f"{client_key}.key_secret")}
+    return DraftClient(settings(server.address, **extra, **kw))
+
+
+def test_draft_client_with_the_right_keys_drafts(server, keys):
+    certs, _ = keys
+    with _client(server, certs, "client") as client:
+        assert client.state is State.READY
+        out = client.step(step(["a"], [(0, HISTORY)], anchors=[6], k=4))
+        want = ngram_lookup(HISTORY + [6], 4)
+        assert out.drafts.tolist() == [want + [-1] * (4 - len(want))]
+
+
+@pytest.mark.parametrize("client_key, server_key", [("rogue", "server"), (None, "server"), ("client", "other")],
+                         ids=["unauthorized key", "no keys", "wrong server key"])
+def test_draft_client_without_the_right_keys_fails_closed(server, keys, client_key, server_key):
+    certs, _ = keys
+    with _client(server, certs, client_key, server_key, timeout_ms=1500) as client:
+        assert client.state is not State.READY
+        for _ in range(2):
+            out = client.step(step(["a"], [(0, HISTORY)], anchors=[6], k=4))
+            assert out.drafts.tolist() == [[-1] * 4]
+        assert client.state is not State.READY
 
 
 def test_bind_rules():

@@ -1,72 +1,203 @@
-"""Encoding and decoding of every op, in process (no sockets)."""
+"""Protocol v2 encoding and decoding of every op, in process (no sockets)."""
 from __future__ import annotations
 
 import msgpack
+import msgspec
+import numpy as np
 import pytest
 import torch
 
+from helpers.wire import ints, meta
 from k3_accel import protocol as p
 from k3_accel.protocol import ErrorCode, ProtocolError
-
-MESSAGES = [
-    p.Hello("me"),
-    p.Ingest([p.RowSpan("a", 2), p.RowSpan("b", 1)]),
-    p.Propose(k=3, requests=[p.ProposeItem("a", 0, 5, 9)], logits="topk", topk=4),
-    p.Free(["a", "b"], retain=False),
-    p.Clear(),
-    p.Reconnect("a", "b", 16),
-    p.Stats(),
-]
 
 
 def _bytes(frames):
     return [bytes(f) for f in frames]
 
 
-@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
-def test_request_round_trip(msg):
-    tensors = {"positions": torch.arange(3), "hidden": torch.randn(3, 4).to(torch.bfloat16)}
-    req = p.decode_request(_bytes(p.encode_request(11, msg, tensors)))
-    assert req.seq == 11 and req.msg == msg and req.op == p._OP_NAMES[type(msg)]
-    assert torch.equal(req.tensors["positions"], tensors["positions"])
-    assert torch.equal(req.tensors["hidden"], tensors["hidden"]) and req.tensors["hidden"].dtype == torch.bfloat16
+def _raise(frames, **kw) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        p.decode_request(frames, **kw)
+    return info.value
 
 
-def test_reply_round_trip_with_error_and_tensors():
-    reply = p.Reply(seq=3, ok=True, server_id="s1", body={"results": [{"id": "a", "ok": True}]},
-                    tensors={"drafts": torch.tensor([[1, -1]])})
+def _header(*head) -> bytes:
+    return msgspec.msgpack.encode(list(head))
+
+
+HIDDEN = torch.randn(5, 3).to(torch.bfloat16)
+MESSAGES = {
+    "hello": (p.Hello("s" * 16, "me"), ()),
+    "ingest": (p.Ingest(2, 5), (meta([7, 8], [0, 3], [2, 3]), ints([1, 2, 3, 4, 5]))),
+    "ingest+hidden": (p.Ingest(2, 5, "bfloat16", 3),
+                      (meta([7, 8], [0, 3], [2, 3]), ints([1, 2, 3, 4, 5]), p.tensor_frame(HIDDEN))),
+    "propose": (p.Propose(4, 1, 2, logits="topk", topk=3), (meta([7], [5], [2], [9]), ints([1, 2]))),
+    "free": (p.Free([1, 2], retain=False), ()),
+    "clear": (p.Clear(), ()),
+    "reconnect": (p.Reconnect(3, 4), (ints([4, 5, 6, 7]),)),
+    "ping": (p.Ping(), ()),
+    "bye": (p.Bye(), ()),
+    "stats": (p.Stats(), ()),
+}
+
+
+def test_every_op_is_covered():
+    assert {m.__struct_config__.tag for m, _ in MESSAGES.values()} == set(p.OPS)
+
+
+@pytest.mark.parametrize("name", sorted(MESSAGES))
+def test_request_round_trip(name):
+    msg, frames = MESSAGES[name]
+    req = p.decode_request(_bytes(p.encode_request(11, msg, *frames)))
+    assert req.seq == 11 and req.msg == msg and req.op == msg.__struct_config__.tag
+    if isinstance(msg, p.ROW_OPS):
+        cols = p.META_COLUMNS[type(msg)]
+        assert req.meta.shape == (msg.n, cols) and req.meta.dtype == np.int64
+        assert req.meta.tobytes() == bytes(frames[0]) and req.tokens.tobytes() == bytes(frames[1])
+        if msg.hidden:
+            assert req.hidden.dtype == torch.bfloat16 and torch.equal(req.hidden, HIDDEN)
+        else:
+            assert req.hidden is None
+    elif isinstance(msg, p.Reconnect):
+        assert req.tokens.tolist() == [4, 5, 6, 7]
+    else:
+        assert req.meta is None and req.tokens is None
+
+
+def test_frames_are_zero_copy_views():
+    tokens = np.zeros(4, dtype=np.int64)
+    frames = p.encode_request(1, p.Ingest(1, 4), meta([0], [0], [4]), tokens.data)
+    req = p.decode_request(frames)
+    tokens[2] = 77          # a later write shows through: nothing was copied
+    assert req.tokens.tolist() == [0, 0, 77, 0]
+
+
+def test_reply_round_trip_with_failures_error_and_tensors():
+    reply = p.Reply(seq=3, ok=True, server_id="s1", failures=[(1, "CONTEXT_GAP", "gap")], result=[0.1, 0.2],
+                    tensors={"drafts": torch.tensor([[1, -1], [-1, -1]], dtype=torch.int32)})
     back = p.decode_reply(_bytes(p.encode_reply(reply)))
-    assert back.ok and back.server_id == "s1" and back.body == reply.body
-    assert back.tensors["drafts"].tolist() == [[1, -1]]
+    assert back.ok and back.server_id == "s1" and back.result == [0.1, 0.2]
+    assert [tuple(f) for f in back.failures] == [(1, "CONTEXT_GAP", "gap")]
+    assert back.tensors["drafts"].dtype == torch.int32 and back.tensors["drafts"].tolist() == [[1, -1], [-1, -1]]
     err = p.decode_reply(_bytes(p.encode_reply(p.error_reply(4, "s1", ErrorCode.CAPACITY, "full"))))
+    assert tuple(err.error) == ("CAPACITY", "full")
     with pytest.raises(ProtocolError) as info:
         err.raise_for_error()
     assert info.value.code is ErrorCode.CAPACITY and info.value.seq == 4
 
 
-def test_frames_are_zero_copy_views():
-    t = torch.zeros(4, dtype=torch.int64)
-    frames = p.encode_request(1, p.Stats(), {"x": t})
-    t[2] = 77   # a later write shows through: nothing was copied
-    assert p.decode_request(_bytes(frames)).tensors["x"].tolist() == [0, 0, 77, 0]
-
-
-def test_declared_size_limit():
-    header = msgpack.packb({"v": 1, "op": "stats", "seq": 1, "body": {}, "tensors": [["x", "uint8", [100], 100]]})
+def test_reply_frames_must_match_header():
+    frames = _bytes(p.encode_reply(p.Reply(1, True, "s", tensors={"drafts": torch.zeros(2, 2, dtype=torch.int32)})))
     with pytest.raises(ProtocolError) as info:
-        p.decode_request([header, b"x" * 100], max_bytes=99)
-    assert info.value.code is ErrorCode.TOO_LARGE and info.value.seq == 1
-
-
-def test_bool_is_not_an_int():
-    header = msgpack.packb({"v": 1, "op": "propose", "seq": 1, "body": {"k": True, "requests": []}, "tensors": []})
+        p.decode_reply(frames[:1])
+    assert info.value.code is ErrorCode.FRAME_MISMATCH
     with pytest.raises(ProtocolError) as info:
-        p.decode_request([header])
-    assert info.value.code is ErrorCode.BAD_FIELD and "k" in info.value.message
+        p.decode_reply([frames[0], frames[1][:-1]])
+    assert info.value.code is ErrorCode.FRAME_MISMATCH
 
 
-def test_literal_field_lists_allowed_values():
-    header = msgpack.packb({"v": 1, "op": "propose", "seq": 1,
-                            "body": {"k": 1, "requests": [], "logits": "all"}, "tensors": []})
-    with pytest.raises(ProtocolError, match="allowed"):
-        p.decode_request([header])
+def test_declared_hidden_size_limit():
+    msg = p.Ingest(1, 100, "float32", 1000)        # 400 kB of hidden rows declared
+    e = _raise([_header(2, 9, msgspec.to_builtins(msg)), b"", b"", b""], max_bytes=1000)
+    assert e.code is ErrorCode.TOO_LARGE and e.seq == 9
+
+
+def test_total_message_size_limit():
+    """Frames that add up to more than the advertised limit are refused, whatever they are."""
+    tokens = np.arange(200, dtype=np.int64)         # 1,600 bytes
+    frames = _bytes(p.encode_request(5, p.Ingest(1, 200), meta([0], [0], [200]), tokens.data))
+    assert p.decode_request(frames, max_bytes=4096).tokens.tolist() == tokens.tolist()
+    e = _raise(frames, max_bytes=1024)
+    assert e.code is ErrorCode.TOO_LARGE and e.seq == 5 and "1024" in e.message
+
+
+def test_bool_is_not_an_int_and_the_field_is_named():
+    e = _raise([_header(2, 1, ["propose", True, 0, 0])])
+    assert e.code is ErrorCode.BAD_FIELD and e.seq == 1 and "propose.k" in e.message
+
+
+@pytest.mark.parametrize("msg, code", [
+    (["free", [1], True, 9], ErrorCode.BAD_FIELD),       # an extra field
+    (["free"], ErrorCode.BAD_FIELD),                     # a missing field
+    (["hello", 5], ErrorCode.BAD_FIELD),                 # a mistyped field
+    ("ping", ErrorCode.BAD_FIELD),                       # not a tagged array
+    (["explode"], ErrorCode.UNKNOWN_OP),
+    ([7], ErrorCode.BAD_FIELD),                          # an op that is not a name
+])
+def test_bad_messages_get_typed_codes_and_keep_the_seq(msg, code):
+    e = _raise([_header(2, 42, msg)])
+    assert e.code is code and e.seq == 42, e
+
+
+@pytest.mark.parametrize("frames, code", [
+    ([], ErrorCode.BAD_FRAME),
+    ([b"\xc1\xc1 not msgpack"], ErrorCode.BAD_FRAME),
+    ([msgpack.packb({"a": 1})], ErrorCode.BAD_FRAME),
+    ([_header(2, -1, ["ping"])], ErrorCode.BAD_FIELD),
+    ([_header(2, 1, ["stats"]), b"x"], ErrorCode.FRAME_MISMATCH),
+    ([_header(2, 1, ["ingest", 1, 2])], ErrorCode.FRAME_MISMATCH),
+    ([_header(2, 1, ["ingest", 1, 2]), bytes(meta([0], [0], [2])), b"\0" * 15], ErrorCode.FRAME_MISMATCH),
+    ([_header(2, 1, ["ingest", 2, 2]), bytes(meta([0], [0], [2])), b"\0" * 16], ErrorCode.FRAME_MISMATCH),
+    ([_header(2, 1, ["propose", 2, 1, 2]), bytes(meta([0], [0], [2])), b"\0" * 16], ErrorCode.FRAME_MISMATCH),
+    ([_header(2, 1, ["ingest", 1, 1, "bfloat16", 2]), bytes(meta([0], [0], [1])), b"\0" * 8],
+     ErrorCode.FRAME_MISMATCH),
+    ([_header(2, 1, ["ingest", 1, 1, "float64", 2]), bytes(meta([0], [0], [1])), b"\0" * 8, b"\0" * 16],
+     ErrorCode.BAD_FIELD),
+    ([_header(2, 1, ["ingest", -1, 0]), b"", b""], ErrorCode.BAD_FIELD),
+    ([_header(2, 1, ["reconnect", 0, 3])], ErrorCode.FRAME_MISMATCH),
+    ([_header(2, 1, ["reconnect", 0, 3]), b"\0" * 16], ErrorCode.FRAME_MISMATCH),
+])
+def test_frame_errors(frames, code):
+    assert _raise(frames).code is code
+
+
+def test_hidden_dtype_error_lists_the_allowed_ones():
+    e = _raise([_header(2, 1, ["ingest", 1, 1, "float64", 2]), bytes(meta([0], [0], [1])), b"\0" * 8, b""])
+    assert all(d in e.message for d in p.HIDDEN_DTYPES)
+
+
+@pytest.mark.parametrize("head", [[3, 7, ["ping"]], [99, 7, ["no such op", 1]], {"v": 3, "seq": 7}])
+def test_other_versions_get_bad_version_naming_ours(head):
+    e = _raise([msgpack.packb(head)])
+    assert e.code is ErrorCode.BAD_VERSION and e.seq == 7
+    assert f"speaks {', '.join(map(str, p.SUPPORTED_VERSIONS))}" in e.message
+
+
+def test_v1_peer_is_answered_in_v1_framing():
+    v1 = [msgpack.packb({"v": 1, "op": "hello", "seq": 5, "body": {}, "tensors": []})]
+    out = p.legacy_error(v1, "srv")
+    head = msgpack.unpackb(out[0])
+    assert head["v"] == 1 and head["op"] == "reply" and head["seq"] == 5 and head["tensors"] == []
+    body = head["body"]
+    assert body["ok"] is False and body["server_id"] == "srv" and body["error"]["code"] == "BAD_VERSION"
+    assert "speaks 2" in body["error"]["message"]
+    assert p.legacy_error(_bytes(p.encode_request(1, p.Ping())), "srv") is None
+    assert p.legacy_error([b"junk"], "srv") is None
+
+
+def test_a_client_reading_a_v1_reply_gets_bad_version():
+    out = p.legacy_error([msgpack.packb({"v": 1, "op": "hello", "seq": 5})], "srv")
+    with pytest.raises(ProtocolError) as info:
+        p.decode_reply(out)
+    assert info.value.code is ErrorCode.BAD_VERSION
+
+
+def test_caps_accept_new_fields_and_default_missing_optional_ones():
+    caps = p.Caps(engine="ngram", needs_hidden_states=False, context_width=0, hidden_dtypes=[],
+                  supports_logits=False, supports_topk=False, max_spec_tokens=8, block_size=16, vocab_size=0)
+    result = msgspec.to_builtins(caps)
+    assert p.caps_from_result({**result, "a_future_field": 1}) == caps
+    minimal = {k: result[k] for k in ("engine", "needs_hidden_states", "context_width", "hidden_dtypes",
+                                      "supports_logits", "supports_topk", "max_spec_tokens", "block_size",
+                                      "vocab_size")}
+    assert p.caps_from_result(minimal).max_message_bytes == p.DEFAULT_MAX_MESSAGE_BYTES
+    with pytest.raises(ProtocolError) as info:
+        p.caps_from_result({k: v for k, v in result.items() if k != "engine"})
+    assert info.value.code is ErrorCode.BAD_FIELD
+
+
+def test_only_known_dtypes_travel():
+    with pytest.raises(ProtocolError):
+        p.dtype_name(torch.complex64)
+    assert {p.dtype_name(d) for d in p.DTYPES.values()} == set(p.DTYPES)

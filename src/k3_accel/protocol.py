@@ -24,6 +24,7 @@ A version-1 peer gets ``BAD_VERSION`` in version-1 framing.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from enum import Enum
 from typing import Any, Optional, Sequence, Union
@@ -89,6 +90,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 # ------------------------------------------------------------------- messages
 class _Msg(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     pass
+
+
+SESSION_KEY_CHARS = (16, 128)   # a session key's length: a secret that cannot be guessed
 
 
 class Hello(_Msg, tag="hello"):
@@ -278,17 +282,31 @@ def decode_request(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_B
         if isinstance(exc, msgspec.ValidationError) and " - at `$" in text:
             code = ErrorCode.UNKNOWN_OP if text.startswith("Invalid value") and "`$[2][0]`" in text \
                 else ErrorCode.BAD_FIELD
-            raise ProtocolError(code, f"header: {text}", seq) from None
+            raise ProtocolError(code, f"header: {text}{_field_name(text, bytes(raw))}", seq) from None
         raise ProtocolError(ErrorCode.BAD_FRAME, f"frame 0 is not a v{PROTOCOL_VERSION} header", seq) from None
     if env.v != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.BAD_VERSION, _version_message(env.v), env.seq)
     try:
         if env.seq < 0:
             raise ProtocolError(ErrorCode.BAD_FIELD, "seq must be >= 0")
+        total = sum(frame_bytes(f).nbytes for f in frames)
+        if total > max_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"the message has {total} bytes, the limit is {max_bytes}")
         return _attach_frames(Request(env.seq, env.msg), frames[1:], max_bytes)
     except ProtocolError as exc:
         exc.seq = env.seq
         raise
+
+
+def _field_name(text: str, raw: bytes) -> str:
+    """" (op.field)" for a validation error at ``$[2][i]`` of a header, else ""."""
+    match = re.search(r"`\$\[2\]\[(\d+)\]`", text)
+    try:
+        tag = msgpack.unpackb(raw, raw=False, strict_map_key=False)[2][0]
+        fields = OPS[tag].__struct_fields__
+        return f" ({tag}.{fields[int(match.group(1)) - 1]})" if match and int(match.group(1)) > 0 else ""
+    except Exception:  # noqa: BLE001 - no name to add
+        return ""
 
 
 def _version_message(version: Any) -> str:

@@ -73,8 +73,50 @@ class ServerProcess:
     def metrics(self) -> str:
         return http_get(self.http_port, "/metrics")[1]
 
-    def pause(self) -> None:
+    def queued_bytes(self) -> int:
+        """Bytes that arrived on the server's ZMQ port and wait in the kernel, unread
+        (``/proc/net/tcp``): messages sent to a paused server are there once this reaches
+        their size."""
+        total = 0
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(table) as f:
+                    lines = f.readlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
+                fields = line.split()
+                local, state, queues = fields[1], fields[3], fields[4]
+                if int(local.rsplit(":", 1)[1], 16) == self.port and state == "01":   # ESTABLISHED
+                    total += int(queues.split(":")[1], 16)
+        return total
+
+    def wait_queued(self, nbytes: int, timeout: float = 60) -> None:
+        """Wait until at least ``nbytes`` wait unread on the server's port (see :meth:`queued_bytes`)."""
+        deadline = time.monotonic() + timeout
+        while self.queued_bytes() < nbytes:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.queued_bytes()} of {nbytes} bytes reached the server")
+            time.sleep(0.01)
+
+    def pause(self, timeout: float = 60) -> None:
+        """SIGSTOP, and wait until every thread of the server has stopped."""
         os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not self._stopped():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not stop")
+            time.sleep(0.005)
+
+    def _stopped(self) -> bool:
+        task = Path(f"/proc/{self.proc.pid}/task")
+        states = []
+        for t in task.iterdir():
+            try:
+                states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue                   # a thread that just ended
+        return bool(states) and all(s in "tT" for s in states)
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

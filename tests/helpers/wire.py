@@ -21,7 +21,7 @@ def ints(values) -> memoryview:
 
 
 class Wire:
-    def __init__(self, address: str, timeout_ms: int = 20000, session: str | None = None,
+    def __init__(self, address: str, timeout_ms: int = 60000, session: str | None = None,
                  hello: bool = True, **sockopts):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -43,9 +43,15 @@ class Wire:
             raise TimeoutError("no reply")
         return p.decode_reply(self.sock.recv_multipart())
 
-    def call(self, msg, *frames) -> p.Reply:
+    def send(self, msg, *frames) -> int:
+        """Send without waiting for the reply; returns the bytes put on the wire (ZMTP framing included)."""
         self.seq += 1
-        self.send_frames(p.encode_request(self.seq, msg, *frames))
+        out = p.encode_request(self.seq, msg, *frames)
+        self.send_frames(out)
+        return sum(n + (2 if n < 256 else 9) for n in (memoryview(f).nbytes for f in out))
+
+    def call(self, msg, *frames) -> p.Reply:
+        self.send(msg, *frames)
         reply = self.recv()
         assert reply.seq == self.seq
         return reply
@@ -59,6 +65,10 @@ class Wire:
                 **kw) -> p.Reply:
         """``spans``: (handle, start, tokens, anchor) per request."""
         return self.call(*_rows(p.Propose, spans, hidden, k=k, **kw))
+
+    def send_propose(self, k: int, spans, hidden: torch.Tensor | None = None, **kw) -> int:
+        """:meth:`propose` without waiting for the reply (read it with :meth:`recv`)."""
+        return self.send(*_rows(p.Propose, spans, hidden, k=k, **kw))
 
     def close(self) -> None:
         self.sock.close()

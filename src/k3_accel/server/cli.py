@@ -23,6 +23,7 @@ from k3_accel.server.state import RequestStore
 
 log = logging.getLogger("k3_accel.server")
 MIB = 1 << 20
+MAX_IPC_PATH = 107        # sun_path holds 108 bytes with the terminating NUL
 
 
 def _device(text: str) -> str:
@@ -81,10 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draft compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind; non-loopback needs CURVE keys")
     ap.add_argument("--port", type=_int_in(0, 65535), default=5557, help="ZMQ port (0 = any free port)")
+    ap.add_argument("--ipc-path", metavar="PATH", default=None,
+                    help="also listen on the unix socket ipc://PATH (clients on this host; CURVE applies too)")
     ap.add_argument("--http-port", type=_int_in(0, 65535), default=8095,
                     help="port of /healthz, /readyz and /metrics (0 = any free port)")
     ap.add_argument("--max-requests", type=_int_in(1), default=1024,
-                    help="active requests per client session (a quota: one target cannot starve the others)")
+                    help="active requests per client session (a quota: one target cannot starve the others; "
+                         "at most --max-requests-total)")
     ap.add_argument("--max-requests-total", type=_int_in(1), default=4096,
                     help="active requests over all client sessions")
     ap.add_argument("--lease-s", type=_float_min(0.0), default=20.0,
@@ -109,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--curve-authorized-keys", metavar="DIR", help="directory of authorized client public keys")
     ap.add_argument("--allow-insecure-remote", action="store_true",
                     help="allow a non-loopback bind without CURVE (anyone who reaches the port can use it)")
-    ap.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO")
+    ap.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO",
+                    help="log verbosity (stderr)")
     return ap
 
 
@@ -122,6 +127,12 @@ def validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
                 ap.error(f"--engine dflash needs --{flag.replace('_', '-')} DIR (got {value!r})")
     if bool(args.curve_secret_key) != bool(args.curve_authorized_keys):
         ap.error("--curve-secret-key and --curve-authorized-keys go together")
+    if args.ipc_path is not None:
+        ipc = Path(args.ipc_path)
+        if not ipc.parent.is_dir() or ipc.is_dir():
+            ap.error(f"--ipc-path {args.ipc_path}: expected a file path in an existing directory")
+        if len(str(ipc).encode()) > MAX_IPC_PATH:
+            ap.error(f"--ipc-path {args.ipc_path}: longer than {MAX_IPC_PATH} bytes (the unix socket limit)")
     if args.ngram_min > args.ngram_max:
         ap.error("--ngram-min must be <= --ngram-max")
     if args.device.startswith("cuda"):
@@ -171,21 +182,24 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> None:
     log.info("http on %s:%d (/healthz /readyz /metrics)", args.host, http.port)
     try:
         engine = build_engine(args)
-        store = RequestStore(engine, max_requests=args.max_requests,
-                             max_requests_total=max(args.max_requests_total, args.max_requests),
+        store = RequestStore(engine, max_requests=min(args.max_requests, args.max_requests_total),
+                             max_requests_total=args.max_requests_total,
                              max_retained=args.max_retained_requests)
         service = DraftService(engine, store, metrics, max_message_bytes=args.max_message_mb * MIB,
                                lease_s=args.lease_s)
+        endpoints = [f"tcp://{_bracket(args.host)}:{args.port}"]
+        if args.ipc_path is not None:
+            endpoints.append(f"ipc://{args.ipc_path}")
         try:
-            loop = ServerLoop(service, f"tcp://{_bracket(args.host)}:{args.port}", args.max_message_mb * MIB,
-                              ctx=ctx, curve=curve, lease_s=args.lease_s)
+            loop = ServerLoop(service, endpoints, args.max_message_mb * MIB, ctx=ctx, curve=curve,
+                              lease_s=args.lease_s)
         except zmq.ZMQError as exc:
-            raise StartupError(f"cannot bind {args.host}:{args.port}: {exc}") from None
+            raise StartupError(f"cannot bind {' and '.join(endpoints)}: {exc}") from None
         gc.collect()
         gc.freeze()     # the startup heap (torch, weights, modules) is never scanned again: a full
         #                 collection over it costs tens of ms, paid by whichever propose triggers it
-        log.info("k3-draft-server ready: engine=%s endpoint=%s server_id=%s pool=%d blocks x %d rows",
-                 engine.caps.kind, loop.endpoint, service.server_id, engine.pool.num_blocks,
+        log.info("k3-draft-server ready: engine=%s endpoints=%s server_id=%s pool=%d blocks x %d rows",
+                 engine.caps.kind, " ".join(loop.endpoints), service.server_id, engine.pool.num_blocks,
                  engine.pool.block_rows)
         loop.serve(stop)
     finally:

@@ -1,5 +1,8 @@
 """The ROUTER socket loop: receive, decode, schedule, reply.
 
+One ROUTER socket, bound to every endpoint given (``tcp://`` and, for
+clients on the same host, ``ipc://``).
+
 Each connection (ROUTER identity) has a FIFO of decoded messages; a
 connection's messages are handled strictly in arrival order and its replies
 leave in that order. Each round takes the head message of every connection:
@@ -20,6 +23,8 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
 
 import zmq
 
@@ -32,6 +37,8 @@ from k3_accel.server.state import Session
 log = logging.getLogger("k3_accel.server")
 POLL_MS = 100
 HOUSEKEEPING_S = 0.5
+DRAIN_QUIET_MS = 300      # shutdown: answer what arrives until the socket is quiet this long ...
+DRAIN_MAX_S = 3.0         # ... but no longer than this
 
 
 @dataclass(eq=False)
@@ -43,7 +50,7 @@ class _Conn:
 
 
 class ServerLoop:
-    def __init__(self, service: DraftService, endpoint: str, max_message_bytes: int,
+    def __init__(self, service: DraftService, endpoints: Sequence[str], max_message_bytes: int,
                  ctx: zmq.Context | None = None, curve: CurveGuard | None = None, lease_s: float = 0.0):
         self.service = service
         self.max_message_bytes = max_message_bytes
@@ -56,8 +63,14 @@ class ServerLoop:
         self.curve = curve is not None
         if curve is not None:
             curve.apply(self.sock)
-        self.sock.bind(endpoint)
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoints = []                  # as bound (a tcp port 0 resolved)
+        try:
+            for endpoint in endpoints:
+                self.sock.bind(endpoint)
+                self.endpoints.append(self.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        except zmq.ZMQError:
+            self.sock.close(linger=0)        # else the context's term() waits for it forever
+            raise
         self.ready = threading.Event()
         self._conns: dict[bytes, _Conn] = {}
         self._next_housekeeping = 0.0
@@ -66,10 +79,12 @@ class ServerLoop:
     def serve(self, stop: threading.Event) -> None:
         self.ready.set()
         try:
-            while not stop.is_set():
+            while True:
                 busy = any(c.queue for c in self._conns.values())
                 if self.sock.poll(0 if busy else POLL_MS, zmq.POLLIN):
                     self._receive_all()
+                if stop.is_set():
+                    break                     # what waits now is answered SHUTTING_DOWN
                 if any(c.queue for c in self._conns.values()):
                     self._round()
                 self._housekeeping()
@@ -77,6 +92,9 @@ class ServerLoop:
             self.ready.clear()
             self._drain()
             self.sock.close()
+            for endpoint in self.endpoints:   # leave no socket file behind
+                if endpoint.startswith("ipc://"):
+                    Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
 
     def _receive_all(self) -> None:
         while True:
@@ -115,6 +133,8 @@ class ServerLoop:
         proposes = []
         for conn in heads:
             item = conn.queue[0]
+            if conn.session is not None and not self.service.store.is_open(conn.session):
+                conn.session = None           # its session ended (bye, perhaps on another connection)
             if isinstance(item, Reply):
                 self._send(conn, item)
             elif conn.session is None or isinstance(item.msg, p.Hello):
@@ -169,11 +189,16 @@ class ServerLoop:
         self.service.metrics.flush()
 
     def _drain(self) -> None:
-        """Answer everything that arrived but was not handled before shutdown."""
-        self._receive_all()
-        for conn in self._conns.values():
-            while conn.queue:
-                item = conn.queue.popleft()
-                seq = item.seq if isinstance(item, (p.Request, Reply)) else -1
-                self._send(conn, p.error_reply(seq, self.service.server_id, ErrorCode.SHUTTING_DOWN,
-                                               "server is stopping"))
+        """Answer SHUTTING_DOWN to everything that arrived but was not handled: what is queued,
+        and what keeps arriving until the socket has been quiet for DRAIN_QUIET_MS (ZMQ's I/O
+        thread may still be handing over messages that reached the host before the stop)."""
+        give_up = time.monotonic() + DRAIN_MAX_S
+        while True:
+            self._receive_all()
+            for conn in self._conns.values():
+                while conn.queue:
+                    item = conn.queue.popleft()
+                    self._send(conn, p.error_reply(item.seq, self.service.server_id, ErrorCode.SHUTTING_DOWN,
+                                                   "server is stopping"))
+            if time.monotonic() > give_up or not self.sock.poll(DRAIN_QUIET_MS, zmq.POLLIN):
+                return

@@ -114,7 +114,7 @@ class ServerMetrics:
                 _SIMPLE[kind](self, value)
 
     def session_label(self, name: str) -> str:
-        """A bounded label set: the first MAX_SESSION_LABELS sessions by name, then "other"."""
+        """A bounded label set: at most MAX_SESSION_LABELS open sessions by name, the rest "other"."""
         if name in self._session_names:
             return name
         if len(self._session_names) < MAX_SESSION_LABELS:
@@ -124,6 +124,16 @@ class ServerMetrics:
 
     def session_message(self, name: str) -> None:
         self._add("session", self.session_label(name), 1)
+
+    def session_closed(self, name: str) -> None:
+        """A session ended: its series end and its label is free for a new session."""
+        if name in self._session_names:
+            self._session_names.discard(name)
+            for family in (self._session_messages, self.session_active):
+                try:
+                    family.remove(name)
+                except KeyError:
+                    pass
 
     def refresh(self, summary: Callable[[], dict]) -> None:
         """Set the gauges from the store's summary (called when /metrics is read)."""

@@ -15,6 +15,7 @@ import torch
 
 from k3_accel.protocol import ErrorCode
 from k3_accel.server.engines.base import IngestBatch
+from k3_accel.server.rows import outside_vocab, token_tensor, vocab_text
 from k3_accel.server.state import RequestError, RequestState, RequestStore, Session
 
 _PROBE = 16   # tokens compared first, to skip unrelated contexts cheaply
@@ -45,6 +46,12 @@ def reconnect(store: RequestStore, session: Session, handle: int, tokens: np.nda
     """Attach ``handle`` to ``tokens`` (length L); returns the rows restored from a stored
     context. Afterwards the request holds exactly L rows."""
     engine = store.engine
+    if not 0 <= handle < 1 << 63:
+        raise RequestError(ErrorCode.BAD_FIELD, f"handle {handle}: handles are 0 .. 2**63-1")
+    bad = int(outside_vocab(tokens, engine.caps.vocab_size).sum())
+    if bad:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"request {handle}: {bad} token id(s) outside "
+                                                  f"{vocab_text(engine.caps.vocab_size)}")
     wanted = len(tokens)
     source, length = best_source(store, session, tokens)
     if engine.caps.needs_hidden_states and length < wanted:
@@ -65,7 +72,7 @@ def reconnect(store: RequestStore, session: Session, handle: int, tokens: np.nda
     if fill:
         engine.ingest(IngestBatch([state.engine_state], [length], [fill],
                                   torch.arange(length, wanted, dtype=torch.int64),
-                                  torch.from_numpy(np.ascontiguousarray(tokens[length:]))))
+                                  token_tensor(tokens[length:])))
         state.write_tokens(length, tokens[length:])
     store.replace(old, state)
     return length

@@ -15,6 +15,7 @@ Engines trust what reaches them.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,8 @@ def check_message(req: p.Request, caps: EngineCaps) -> RowMessage:
     handles, starts, counts = meta[:, 0], meta[:, 1], meta[:, 2]
     if len(meta) and int(meta[:, :3].min()) < 0:
         raise ProtocolError(ErrorCode.BAD_FIELD, "handles, starts and counts must be >= 0")
+    if (counts > msg.rows).any():                 # a count past rows could overflow the sum below
+        raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"a request claims more than the message's {msg.rows} rows")
     offsets = np.zeros(len(meta) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     if int(offsets[-1]) != msg.rows:
@@ -88,6 +91,8 @@ def _check_propose(msg: p.Propose, caps: EngineCaps) -> None:
         raise ProtocolError(ErrorCode.UNSUPPORTED, f"engine {caps.kind} returns no logits")
     if msg.logits == "topk" and not (caps.supports_topk and msg.topk > 0):
         raise ProtocolError(ErrorCode.UNSUPPORTED, f"engine {caps.kind}: top-k needs supports_topk and topk > 0")
+    if msg.logits == "topk" and caps.vocab_size and msg.topk > caps.vocab_size:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"topk={msg.topk} exceeds the vocabulary ({caps.vocab_size})")
 
 
 def bad_rows(hidden: torch.Tensor | None, offsets: np.ndarray) -> np.ndarray:
@@ -95,7 +100,27 @@ def bad_rows(hidden: torch.Tensor | None, offsets: np.ndarray) -> np.ndarray:
     if hidden is None or hidden.shape[0] == 0:
         return np.zeros(len(offsets) - 1, dtype=np.int64)
     bad = (~torch.isfinite(hidden).all(dim=1)).numpy().astype(np.int64)
-    running = np.concatenate(([0], np.cumsum(bad)))
+    return _per_request(bad, offsets)
+
+
+def token_tensor(ids: np.ndarray) -> torch.Tensor:
+    """Token ids for an engine, zero-copy: they may view a read-only frame (engines never write them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # torch warns about read-only arrays
+        return torch.from_numpy(np.ascontiguousarray(ids))
+
+
+def outside_vocab(ids: np.ndarray, vocab: int) -> np.ndarray:
+    """Which token ids no engine can hold: negative ones, and ``>= vocab`` when it is known."""
+    return (ids < 0) | (ids >= vocab) if vocab else ids < 0
+
+
+def vocab_text(vocab: int) -> str:
+    return f"the vocabulary 0..{vocab - 1}" if vocab else "0..2**63-1"
+
+
+def _per_request(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    running = np.concatenate(([0], np.cumsum(flags, dtype=np.int64)))
     return running[offsets[1:]] - running[offsets[:-1]]
 
 
@@ -111,50 +136,47 @@ class Admitted:
 
 
 def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
-    """Per-request checks and pool admission; changes nothing but the retained LRU."""
-    out, vocab, engine = Admitted(), store.engine.caps.vocab_size, store.engine
+    """Per-request checks, request limits and pool room, in message order; changes nothing but
+    the retained LRU (never a context the message names)."""
+    out, engine = Admitted(), store.engine
+    vocab = engine.caps.vocab_size
     bad = bad_rows(rows.hidden, rows.offsets) if rows.hidden is not None else None
+    bad_ids = _per_request(outside_vocab(rows.tokens, vocab), rows.offsets)
+    bad_anchors = outside_vocab(rows.anchors, vocab) if rows.anchors is not None else None
     pool = engine.pool
-    # every request needs at most ceil(count / block) + 1 new blocks (+1: a shared partial block's copy)
+    # every request needs at most ceil(count / block) + 1 new blocks (+1: a shared partial block's
+    # copy): with that much free, nobody needs counting (the common case, and a cheap one)
     precise = int((rows.counts // pool.block_rows + 2).sum()) > pool.free_blocks
-    anchors = rows.anchors.tolist() if rows.anchors is not None and vocab else None
-    active, need, fresh, pending = session.active, [], 0, []
-    for i, (handle, start, count) in enumerate(zip(rows.handles.tolist(), rows.starts.tolist(),
-                                                   rows.counts.tolist())):
-        state = active.get(handle)
+    handles, active = rows.handles.tolist(), session.active
+    named = [s for s in (store.lookup(session, h) for h in handles) if s is not None] if precise else []
+    fresh = total = blocks = 0                # requests this message activates, pool blocks it takes
+    for i, (handle, start, count) in enumerate(zip(handles, rows.starts.tolist(), rows.counts.tolist())):
+        state = active.get(handle) or store.lookup(session, handle)
         try:
-            if state is None:
-                state = store.lookup(session, handle)
-                store.check_room(session, fresh + 1)
             length = state.length if state is not None else 0
             if start > length:
                 raise RequestError(ErrorCode.CONTEXT_GAP, f"request {handle}: rows start at {start}, "
                                                           f"its context ends at {length}")
             if bad is not None and bad[i]:
                 raise RequestError(ErrorCode.NON_FINITE, f"request {handle}: {bad[i]} hidden row(s) hold NaN or Inf")
-            if anchors is not None and not 0 <= anchors[i] < vocab:
-                raise RequestError(ErrorCode.BAD_REQUEST, f"request {handle}: anchor token {anchors[i]} "
-                                                          f"outside the vocabulary 0..{vocab - 1}")
+            if bad_ids[i]:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"request {handle}: {bad_ids[i]} token id(s) outside "
+                                                          f"{vocab_text(vocab)}")
+            if bad_anchors is not None and bad_anchors[i]:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"request {handle}: anchor token "
+                                                          f"{int(rows.anchors[i])} outside {vocab_text(vocab)}")
+            new = state is None or active.get(handle) is not state
+            if new:
+                store.check_room(session, fresh + 1)
+            if state is None:
+                state = store.new_state(session, handle)
+            if precise:
+                blocks = engine.blocks_needed(state.engine_state, start, count) if count else 0
+                store.make_room(total + blocks, keep=named)
         except RequestError as exc:
             out.fail(i, exc)
             continue
-        if state is None:
-            state = store.new_state(session, handle)
-        if active.get(handle) is not state:
-            fresh += 1
-        if precise:
-            pending.append((i, state))
-            need.append(engine.blocks_needed(state.engine_state, start, count) if count else 0)
-        else:
-            out.index.append(i)
-            out.states.append(state)
-    total = 0
-    for (i, state), blocks in zip(pending, need):
-        try:
-            store.make_room(total + blocks, keep=out.states + [state])
-        except RequestError as exc:
-            out.fail(i, exc)
-            continue
+        fresh += new
         total += blocks
         out.index.append(i)
         out.states.append(state)
@@ -184,7 +206,7 @@ def apply(store: RequestStore, rows: RowMessage, admitted: Admitted) -> int:
             starts, counts = starts[changed], counts[changed]
         store.engine.ingest(IngestBatch(
             [admitted.states[j].engine_state for j in changed], starts.tolist(), counts.tolist(),
-            torch.from_numpy(positions), torch.from_numpy(np.ascontiguousarray(tokens)), hidden))
+            torch.from_numpy(positions), token_tensor(tokens), hidden))
     for state, start, a, b in zip(admitted.states, rows.starts[idx].tolist(), offsets[:-1].tolist(),
                                   offsets[1:].tolist()):
         state.write_tokens(start, tokens[a:b])

@@ -71,6 +71,10 @@ class DraftService:
     # ------------------------------------------------------------------ entry
     def hello(self, req: p.Request, owner: str | None) -> tuple[Session | None, Reply]:
         """Open (or reclaim) the session the hello names; the reply carries the caps."""
+        low, high = p.SESSION_KEY_CHARS
+        if not low <= len(req.msg.session) <= high:
+            return None, self._done(req, p.error_reply(req.seq, self.server_id, ErrorCode.BAD_FIELD,
+                                                       f"hello.session: a secret of {low}..{high} characters"))
         try:
             session = self.store.open_session(req.msg.session, req.msg.client, owner)
         except RequestError as exc:
@@ -204,7 +208,11 @@ class DraftService:
         return self._ok(req, result={"released": self.store.clear(session)})
 
     def _bye(self, session: Session, req: p.Request) -> Reply:
-        return self._ok(req, result={"released": self.store.close_session(session)})
+        return self._ok(req, result={"released": self._close(session)})
+
+    def _close(self, session: Session) -> int:
+        self.metrics.session_closed(session.name)
+        return self.store.close_session(session)
 
     def _ping(self, session: Session, req: p.Request) -> Reply:
         return self._ok(req)
@@ -222,7 +230,7 @@ class DraftService:
 
     def reclaim(self, session: Session, why: str) -> None:
         """Free a session whose client went away (lease expired)."""
-        released = self.store.close_session(session)
+        released = self._close(session)
         self.metrics.reclaimed(session.name)
         log.warning("session %s reclaimed (%s): %d active request(s) freed", session.name, why, released)
 

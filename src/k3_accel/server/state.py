@@ -86,6 +86,9 @@ class RequestStore:
         session.last_seen = time.monotonic()
         return session
 
+    def is_open(self, session: Session) -> bool:
+        return self.sessions.get(session.key) is session
+
     def close_session(self, session: Session) -> int:
         """Free everything of ``session`` and forget it; returns the requests released."""
         released = self.clear(session)

@@ -1,0 +1,95 @@
+"""``/metrics`` and ``stats`` of a live server: per-session series with a bounded label set,
+pool gauges, the engine step histogram, sessions listed with their requests and blocks."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers.server import ServerProcess
+from helpers.wire import Wire
+from k3_accel import protocol as p
+from k3_accel.server.metrics import MAX_SESSION_LABELS
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--engine", "ngram", "--block-size", "4", "--lease-s", "0")
+    yield s
+    assert s.stop() == 0
+
+
+def samples(server) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(server.metrics()) for s in fam.samples}
+
+
+def labels(found: dict, name: str) -> dict[str, float]:
+    return {dict(k)["session"]: v for (n, k), v in found.items() if n == name}
+
+
+def eventually(condition, what: str, timeout: float = 60):
+    """Poll ``condition`` (it returns a true value when met) until a deadline; return its value."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return value
+
+
+def test_stats_and_gauges_describe_sessions_and_the_pool(server):
+    a, b = Wire(server.address), Wire(server.address)
+    try:
+        a.ingest([(0, 0, list(range(9))), (1, 0, [1])]).raise_for_error()        # 3 + 1 blocks
+        b.ingest([(0, 0, [1, 2])]).raise_for_error()
+        a.call(p.Free([1])).raise_for_error()                                     # retained
+        s = a.call(p.Stats()).raise_for_error().result
+        name_a, name_b = s["session"], b.call(p.Stats()).result["session"]
+        assert name_a != name_b and name_a.startswith("wire#")
+        line_a, line_b = s["sessions"][name_a], s["sessions"][name_b]
+        assert (line_a["active"], line_a["retained"], line_a["blocks"]) == (1, 1, 4)
+        assert (line_b["active"], line_b["retained"], line_b["blocks"]) == (1, 0, 1)
+        assert s["pool_blocks"] == a.caps.pool_blocks and s["pool_block_bytes"] == 4 * 32
+        used = s["pool_blocks"] - s["pool_free_blocks"]
+        assert used == sum(line["blocks"] for line in s["sessions"].values())
+
+        def gauges_caught_up():
+            found = samples(server)
+            return found if found[("k3_draft_pool_used_blocks", ())] == used else None
+        found = eventually(gauges_caught_up, "the pool gauge never showed the blocks in use")
+        assert found[("k3_draft_pool_blocks", ())] == s["pool_blocks"]
+        assert found[("k3_draft_active_requests", ())] == s["active"]
+        assert found[("k3_draft_retained_requests", ())] == s["retained"]
+        assert found[("k3_draft_sessions", ())] == len(s["sessions"])
+        assert labels(found, "k3_draft_session_active_requests")[name_a] == 1
+        a.propose(2, [(0, 9, [], 3)]).raise_for_error()
+        after = a.call(p.Stats()).result
+        found = samples(server)
+        assert found[("k3_draft_engine_step_seconds_count", ())] == after["engine_batches"] >= 1
+        assert found[("k3_draft_engine_batch_size_count", ())] == after["engine_batches"]
+    finally:
+        for w in (a, b):
+            w.call(p.Bye())
+            w.close()
+
+
+def test_per_session_series_are_bounded_and_ended_sessions_give_their_label_back(server):
+    many = [Wire(server.address) for _ in range(MAX_SESSION_LABELS + 3)]
+    try:
+        for w in many:
+            w.call(p.Ping()).raise_for_error()
+        found = labels(samples(server), "k3_draft_session_messages_total")
+        assert len(found) <= MAX_SESSION_LABELS + 1 and found.get("other", 0) >= 3
+        for w in many:
+            w.call(p.Bye()).raise_for_error()
+        late = Wire(server.address)
+        late.call(p.Ping()).raise_for_error()
+        name = late.call(p.Stats()).result["session"]
+        found = labels(samples(server), "k3_draft_session_messages_total")
+        assert found.get(name) == 2 and len(found) <= MAX_SESSION_LABELS + 1
+        late.call(p.Bye())
+        late.close()
+    finally:
+        for w in many:
+            w.close()

@@ -1,0 +1,171 @@
+"""Namespaces and leases (issue 10): clients of one server never see each other's state."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.oracles import ngram_lookup
+from helpers.server import ServerProcess, src_env
+from helpers.wire import Wire, ints
+from k3_accel import protocol as p
+
+K = 4
+TESTS = str(Path(__file__).resolve().parent)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--engine", "ngram", "--block-size", "4", "--lease-s", "0")
+    yield s
+    assert s.stop() == 0
+
+
+def lookup(history) -> list[int]:
+    found = ngram_lookup(history, K)
+    return found + [-1] * (K - len(found))
+
+
+def drafts(w: Wire, spans) -> list[list[int]]:
+    return w.propose(K, spans).raise_for_error().tensors["drafts"].tolist()
+
+
+def stats(w: Wire) -> dict:
+    return w.call(p.Stats()).raise_for_error().result
+
+
+def consistent(s: dict) -> bool:
+    """Every active request the server counts belongs to a session it lists."""
+    return s["active"] == sum(line["active"] for line in s["sessions"].values())
+
+
+A = {0: [1, 2, 3, 1, 2], 1: [7, 8, 9, 7]}
+B = {0: [4, 5, 4, 5, 4], 1: [9, 9, 1, 9]}
+
+
+def _store(w: Wire, contexts: dict) -> None:
+    w.ingest([(h, 0, toks) for h, toks in contexts.items()]).raise_for_error()
+
+
+def _expected(contexts: dict, anchor: int) -> list[list[int]]:
+    return [lookup(toks + [anchor]) for toks in contexts.values()]
+
+
+def _ask(w: Wire, contexts: dict, anchor: int) -> list[list[int]]:
+    return drafts(w, [(h, len(toks), [], anchor) for h, toks in contexts.items()])
+
+
+def test_same_handles_in_two_sessions_draft_from_their_own_history(server):
+    a, b = Wire(server.address), Wire(server.address)
+    try:
+        _store(a, A)
+        _store(b, B)
+        assert _expected(A, 1) != _expected(B, 1)
+        assert _ask(a, A, 1) == _expected(A, 1) and _ask(b, B, 9) == _expected(B, 9)
+        # b's reconnect only ever finds b's contexts (a holds [1, 2, 3, 1, 2])
+        assert b.call(p.Reconnect(5, 4), ints([1, 2, 3, 1])).raise_for_error().result == {"restored": 0}
+        assert a.call(p.Reconnect(5, 4), ints([1, 2, 3, 1])).raise_for_error().result == {"restored": 4}
+        # a's rewind of its handle 0 leaves b's handle 0 alone
+        assert drafts(a, [(0, 2, [], 1)]) == [lookup([1, 2, 1])]
+        assert _ask(b, B, 4) == _expected(B, 4)
+        for w in (a, b):                    # each keeps a retained context as well
+            _store(w, {7: [6, 6, 6, 6]})
+            w.call(p.Free([7])).raise_for_error()
+        for msg in (p.Free([1, 7], retain=False), p.Clear(), p.Bye()):
+            a.call(msg).raise_for_error()
+            assert _ask(b, B, 5) == _expected(B, 5), msg
+            assert stats(b)["sessions"][stats(b)["session"]]["retained"] == 1, msg
+        assert b.call(p.Reconnect(8, 4), ints([6] * 4)).raise_for_error().result == {"restored": 4}
+        assert consistent(stats(b))
+        a.call(p.Hello(a.session)).raise_for_error()
+        assert [f[1] for f in a.propose(K, [(1, 4, [], 7)]).failures] == ["CONTEXT_GAP"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_connection_presenting_the_session_key_reclaims_it(server):
+    first = Wire(server.address)
+    _store(first, A)
+    name = stats(first)["session"]
+    again = Wire(server.address, session=first.session)     # say, the client's socket was rebuilt
+    try:
+        assert stats(again)["session"] == name
+        assert _ask(again, A, 3) == _expected(A, 3)
+        assert stats(again)["sessions"][name]["active"] == len(A)
+    finally:
+        again.call(p.Bye())
+        first.close()
+        again.close()
+
+
+def test_bye_ends_the_session_for_every_connection_bound_to_it(server):
+    one = Wire(server.address)
+    two = Wire(server.address, session=one.session)
+    watcher = Wire(server.address)
+    try:
+        _store(one, A)
+        assert one.call(p.Bye()).raise_for_error().result == {"released": len(A)}
+        for w in (one, two):                # nothing can be stored in a session that ended
+            reply = w.ingest([(0, 0, [1, 2, 3])])
+            assert not reply.ok and reply.error[0] == "NO_SESSION"
+        s = stats(watcher)
+        assert consistent(s)
+        assert one.call(p.Hello(one.session, "back")).ok     # a hello opens it again, empty
+        assert [f[1] for f in one.propose(K, [(0, 5, [], 1)]).failures] == ["CONTEXT_GAP"]
+    finally:
+        for w in (one, two, watcher):
+            w.close()
+
+
+CHILD = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from helpers.wire import Wire, ints
+w = Wire({address!r}, session={key!r})
+w.ingest([(0, 0, [1, 2, 3, 1, 2]), (1, 0, [5, 5, 5])]).raise_for_error()
+print(w.call(__import__("k3_accel.protocol").protocol.Stats()).result["session"], flush=True)
+time.sleep(600)
+"""
+
+
+def test_lease_reclaims_a_killed_client_and_spares_one_that_keeps_talking():
+    server = ServerProcess("--engine", "ngram", "--lease-s", "8")   # long beside the talker's 0.1 s pings
+    key = "k" * 32
+    child = subprocess.Popen([sys.executable, "-c", CHILD.format(tests=TESTS, address=server.address, key=key)],
+                             stdout=subprocess.PIPE, text=True, env=src_env())
+    talker = None
+    try:
+        name = child.stdout.readline().strip()
+        assert name, "the client process did not start"
+        talker = Wire(server.address)
+        _store(talker, B)
+        assert name in stats(talker)["sessions"]
+        child.kill()
+        child.wait(60)
+        deadline = time.monotonic() + 120
+        while True:                         # the talker pings and asks, the lease runs out for the other
+            assert talker.call(p.Ping()).ok
+            s = stats(talker)
+            if name not in s["sessions"]:
+                break
+            assert time.monotonic() < deadline, "the killed client's session was never reclaimed"
+            time.sleep(0.1)
+        assert s["sessions_reclaimed"] >= 1 and consistent(s)
+        assert s["sessions"][s["session"]]["active"] == len(B)       # the talker kept everything
+        assert _ask(talker, B, 4) == _expected(B, 4)
+        assert 'k3_draft_sessions_reclaimed_total 1.0' in server.metrics()
+        fresh = Wire(server.address, session=key)                    # the key now opens an empty namespace
+        assert [f[1] for f in fresh.propose(K, [(0, 5, [], 3)]).failures] == ["CONTEXT_GAP"]
+        _store(fresh, A)
+        assert _ask(fresh, A, 3) == _expected(A, 3)
+        fresh.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        if talker is not None:
+            talker.close()
+        assert server.stop() == 0
