@@ -110,6 +110,8 @@ class ServerMetrics:
                 child.inc()
             elif kind == "session":
                 self._session_messages.labels(label).inc()
+            elif kind == "closed":
+                self._end_series(label)
             else:
                 _SIMPLE[kind](self, value)
 
@@ -126,14 +128,18 @@ class ServerMetrics:
         self._add("session", self.session_label(name), 1)
 
     def session_closed(self, name: str) -> None:
-        """A session ended: its series end and its label is free for a new session."""
+        """A session ended: its series end (after what it still has pending) and its label is
+        free for a new session."""
         if name in self._session_names:
             self._session_names.discard(name)
-            for family in (self._session_messages, self.session_active):
-                try:
-                    family.remove(name)
-                except KeyError:
-                    pass
+            self._add("closed", name, 0)
+
+    def _end_series(self, name: str) -> None:
+        for family in (self._session_messages, self.session_active):
+            try:
+                family.remove(name)
+            except KeyError:
+                pass
 
     def refresh(self, summary: Callable[[], dict]) -> None:
         """Set the gauges from the store's summary (called when /metrics is read)."""
