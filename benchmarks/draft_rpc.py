@@ -49,7 +49,7 @@ def serve(port: int, quick: bool) -> None:
                                        graph_k=(7,), **({"budget_bytes": 8 << 30} if device == "cuda" else {}))
     store = RequestStore(engine, max_requests=1024, max_requests_total=1024, max_retained=0)
     service = DraftService(engine, store, ServerMetrics())
-    loop = ServerLoop(service, f"tcp://127.0.0.1:{port}", 1 << 31, ctx=zmq.Context())
+    loop = ServerLoop(service, [f"tcp://127.0.0.1:{port}"], 1 << 31, ctx=zmq.Context())
     print("ready", cfg.context_width, flush=True)
     import gc
     gc.collect()

@@ -43,7 +43,7 @@ from k3_accel import protocol as p  # noqa: E402
 from report import emit  # noqa: E402  (benchmarks/report.py)
 from k3_accel.transport.api import ClientSettings, StepInput  # noqa: E402
 from k3_accel.transport.client import DraftClient  # noqa: E402
-from k3_accel.transport import client as client_module  # noqa: E402
+from k3_accel.transport import outbox as outbox_module  # noqa: E402
 
 DEFAULT_SIZES = "1536x21504,512x21504,128x21504,1536x7168"
 
@@ -65,7 +65,7 @@ def serve(port: int, width: int) -> None:
                                       hidden_dtypes=("bfloat16",))
     store = RequestStore(engine, max_requests=256, max_requests_total=256, max_retained=0)
     service = DraftService(engine, store, ServerMetrics(), max_message_bytes=1 << 31)
-    loop = ServerLoop(service, f"tcp://127.0.0.1:{port}", 1 << 31, ctx=zmq.Context())
+    loop = ServerLoop(service, [f"tcp://127.0.0.1:{port}"], 1 << 31, ctx=zmq.Context())
     print("ready", flush=True)
     import gc
     gc.collect()
@@ -196,7 +196,7 @@ class Breakdown:
     PIECES = (("k3_accel.transport.client", "DraftClient", "step"),
               ("k3_accel.transport.client", "DraftClient", "_run_step"),
               ("k3_accel.transport.layout", None, "stage"),
-              ("k3_accel.transport.client", "DraftClient", "_defer"),
+              ("k3_accel.transport.outbox", "Outbox", "defer"),
               ("k3_accel.protocol", None, "encode_request"),
               ("k3_accel.transport.connection", "Connection", "_send_frames"))
 
@@ -243,7 +243,7 @@ class Timeline:
                             "end_us": round((end - self.t0) * 1e6, 1)})
 
     def __enter__(self) -> "Timeline":
-        timeline, original = self, client_module.SendJob
+        timeline, original = self, outbox_module.SendJob
         self._saved = original
 
         class TimedJob(original):
@@ -266,11 +266,11 @@ class Timeline:
                     build()
                     timeline.span("sender", f"{label}: encode + send", begin, time.perf_counter())
                 super().__init__(timed_build, Ready(), on_error)
-        client_module.SendJob = TimedJob
+        outbox_module.SendJob = TimedJob
         return self
 
     def __exit__(self, *exc) -> None:
-        client_module.SendJob = self._saved
+        outbox_module.SendJob = self._saved
 
 
 def timeline_run(address: str, rows: int, width: int, device: torch.device, steps: int, gap_s: float,
