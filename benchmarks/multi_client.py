@@ -91,11 +91,10 @@ def run(engine: str, clients: int, b: int, k: int, seconds: float) -> dict:
     proc, address = start_server(engine)
     width = 0
     try:
-        from k3_accel.transport.api import ClientSettings
-        from k3_accel.transport.client import DraftClient
-        probe = DraftClient(ClientSettings(address=address, timeout_ms=60000)).start()
-        width = probe.caps.context_width
-        before = probe.server_stats()
+        from k3_accel.demo.probe import probe
+        hello = probe(address, 60000)
+        width = hello["hello"]["context_width"]
+        before = hello["stats"]
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         start_at = time.time() + 15.0
@@ -106,8 +105,7 @@ def run(engine: str, clients: int, b: int, k: int, seconds: float) -> dict:
         results = [queue.get(timeout=600) for _ in procs]
         for p in procs:
             p.join(60)
-        after = probe.server_stats()
-        probe.close()
+        after = probe(address, 60000)["stats"]
     finally:
         proc.terminate()
         proc.wait(30)

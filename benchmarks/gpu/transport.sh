@@ -9,7 +9,10 @@ OUT=${OUT:-/tmp/transport}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/transport/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests:$PWD/benchmarks PYTHONUNBUFFERED=1
-nproc; nvidia-smi --query-gpu=name,driver_version --format=csv
+nproc; nvidia-smi --query-gpu=name,driver_version --format=csv; lscpu | grep -E "Model name|MHz"
+python3 -m timeit -n 100000 "sum(range(100))"
+timeout 120 python3 benchmarks/hotpath.py --steps 1000 --profile "$OUT/hotpath-profile.txt" > "$OUT/hotpath.json"
+echo "hotpath rc=$?"; grep -E '"B"|_us' "$OUT/hotpath.json" | tr -d '\n '; echo
 timeout 150 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_transport_hidden.py \
     tests/test_dflash_gpu.py > "$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; tail -4 "$OUT/gpu-tests.log"
 timeout 200 python3 benchmarks/rpc.py --out "$OUT/rpc-h200.json" > "$OUT/rpc.log" 2>&1

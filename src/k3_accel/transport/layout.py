@@ -74,19 +74,24 @@ def stage(slot, index: np.ndarray | None, total: int, token_ids: torch.Tensor,
             _copy_cpu(slot.hidden[:total], hidden if idx is None else hidden.index_select(0, idx))
         return None
     compute, side = torch.cuda.current_stream(dev), _side_stream(dev)
-    if index is not None:
-        idx = torch.from_numpy(index).to(dev, non_blocking=True)
-        srcs = [token_ids.index_select(0, idx)] + ([hidden.index_select(0, idx)] if hidden is not None else [])
-    else:
-        srcs = [token_ids] + ([hidden] if hidden is not None else [])
-        if private:
-            srcs = [t.clone() for t in srcs]
+    sources = {"token_ids": token_ids, "hidden": hidden} if hidden is not None else {"token_ids": token_ids}
+    idx = torch.from_numpy(index).to(dev, non_blocking=True) if index is not None else None
+    srcs = []
+    for name, src in sources.items():
+        if private:                      # gather into the slot's own device buffer (no allocation)
+            buf = slot.device_buffer(name, src)[:total]
+            torch.index_select(src, 0, idx, out=buf) if idx is not None else buf.copy_(src)
+            src = buf
+        elif idx is not None:
+            src = src.index_select(0, idx)
+        srcs.append(src)
     side.wait_stream(compute)
     with torch.cuda.stream(side):
         dsts = [slot.token_ids[:total]] + ([slot.hidden[:total]] if hidden is not None else [])
         for dst, src in zip(dsts, srcs):
             dst.copy_(src, non_blocking=True)
-            src.record_stream(side)
+            if not private:
+                src.record_stream(side)
         done = torch.cuda.Event()
         done.record(side)
     return done

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -45,6 +45,18 @@ class Slot:
     holds: int = 0
     retired: bool = False                   # memory may still be read by libzmq: replace it
     generation: int = 0                     # how many times its memory was replaced
+    device: dict = field(default_factory=dict)   # (device, name) -> the slot's private device buffer
+
+    def device_buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """This slot's own device buffer of ``capacity`` rows shaped like ``like`` (made once).
+        A deferred step gathers its rows into it on the compute stream: nothing else writes
+        it until the slot is free again, and no allocation happens per step."""
+        key = (like.device, name)
+        buf = self.device.get(key)
+        if buf is None or buf.dtype != like.dtype or buf.shape[1:] != like.shape[1:]:
+            buf = self.device[key] = torch.empty((self.capacity, *like.shape[1:]), dtype=like.dtype,
+                                                 device=like.device)
+        return buf
 
     @property
     def capacity(self) -> int:
