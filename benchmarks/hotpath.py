@@ -39,7 +39,7 @@ def client_cost(b: int, k: int, steps: int, profile: bool) -> tuple[float, str]:
     from k3_accel.transport.client import DraftClient
     from k3_accel.transport.connection import Pending
     from k3_accel.transport.link import State
-    c = DraftClient(ClientSettings("tcp://127.0.0.1:1", num_speculative_tokens=k, max_rows=4096))
+    c = DraftClient(ClientSettings("tcp://127.0.0.1:1", num_speculative_tokens=k, max_rows=max(4096, 256 * b)))
     caps = p.Caps(engine="ngram", needs_hidden_states=False, context_width=0, hidden_dtypes=[],
                   supports_logits=False, supports_topk=False, max_spec_tokens=16, block_size=16, vocab_size=0)
     c.link.caps, c.link.state = caps, State.READY
@@ -55,9 +55,14 @@ def client_cost(b: int, k: int, steps: int, profile: bool) -> tuple[float, str]:
             on_reply(item)
         return item
     conn.post, conn.poll, conn.expire = post, (lambda *a, **k: 0), (lambda: None)
+    prefill = step_input(b, k, 0, 256, torch.device("cpu"))
+    prefill.sampled = [False] * b
+    c.step(prefill)
+    c.flush()
     inps = [step_input(b, k, 256 + i, 1, torch.device("cpu")) for i in range(steps + 100)]
     for inp in inps[:100]:
         c.step(inp)
+    assert not c.is_disabled(inps[0].req_ids[0]), "the timed steps would not draft"
     return _timed(lambda: [c.step(inp) for inp in inps[100:]], steps, profile)
 
 

@@ -129,3 +129,10 @@ def test_tail_gives_every_request_its_rows_from_the_last_message():
     assert last.index.tolist() == [0, 1, 2] and (last.lo, last.hi) == (11, 14)
     assert last.counts.tolist() == [0, 0, 3]
     assert (last.starts + last.counts).tolist() == (starts + counts).tolist()   # anchors follow the rows
+
+
+def test_row_index_is_none_only_for_the_input_as_it_is():
+    assert plan([1, 1, 1, 1], ingest=[0, 1], propose=[2, 3]).row_index() is None
+    interleaved = plan([1, 1, 1, 1], ingest=[0, 2], propose=[1, 3])
+    assert interleaved.row_index().tolist() == [0, 2, 1, 3]
+    assert plan([2, 1], ingest=[1], propose=[0]).row_index().tolist() == [2, 0, 1]

@@ -192,6 +192,9 @@ class ReplyHeader(msgspec.Struct, array_like=True):
     tensors: list[tuple[str, str, list[int]]] = []   # (name, dtype, shape) of each frame
 
 
+# Frames are read-only and never written to: torch's warning about that would cost a
+# ``catch_warnings`` per frame on the hot path (that is slower than the frame itself).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(_Envelope)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyHeader)
@@ -218,9 +221,7 @@ def frame_tensor(frame: Any, dtype: torch.dtype, shape: Sequence[int], what: str
                             f"{what}: frame has {buf.nbytes} bytes, header implies {nbytes}")
     if nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only buffers: never written to
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
 
 
 def frame_array(frame: Any, dtype: np.dtype, shape: Sequence[int], what: str) -> np.ndarray:

@@ -36,6 +36,7 @@ from k3_accel.server.state import Session
 
 log = logging.getLogger("k3_accel.server")
 POLL_MS = 100
+SPIN_S = 0.002        # after a round, poll without sleeping this long: a sleeping thread wakes slowly
 HOUSEKEEPING_S = 0.5
 DRAIN_QUIET_MS = 300      # shutdown: answer what arrives until the socket is quiet this long ...
 DRAIN_MAX_S = 3.0         # ... but no longer than this
@@ -74,6 +75,7 @@ class ServerLoop:
         self.ready = threading.Event()
         self._conns: dict[bytes, _Conn] = {}
         self._next_housekeeping = 0.0
+        self._spin_until = 0.0
 
     # ----------------------------------------------------------------- loop
     def serve(self, stop: threading.Event) -> None:
@@ -81,12 +83,17 @@ class ServerLoop:
         try:
             while True:
                 busy = any(c.queue for c in self._conns.values())
-                if self.sock.poll(0 if busy else POLL_MS, zmq.POLLIN):
+                if busy or time.monotonic() < self._spin_until:
+                    arrived = self.sock.poll(0, zmq.POLLIN)
+                else:
+                    arrived = self.sock.poll(POLL_MS, zmq.POLLIN)
+                if arrived:
                     self._receive_all()
                 if stop.is_set():
                     break                     # what waits now is answered SHUTTING_DOWN
                 if any(c.queue for c in self._conns.values()):
                     self._round()
+                    self._spin_until = time.monotonic() + SPIN_S
                 self._housekeeping()
         finally:
             self.ready.clear()

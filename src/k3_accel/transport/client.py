@@ -41,6 +41,7 @@ from k3_accel.transport.staging import Slot, StagingRing
 from k3_accel.transport.timing import Telemetry
 
 log = logging.getLogger("k3_accel.transport")
+SPIN_S = 0.002        # a propose's reply is awaited without sleeping this long (see Connection.wait)
 
 
 class DraftClient:
@@ -269,7 +270,7 @@ class DraftClient:
                 self.telemetry.count("sync_ingests")
             return
         with self.telemetry.phase("wait"):
-            reply = self.link.conn.wait(pending)
+            reply = self.link.conn.wait(pending, spin_s=SPIN_S)
         self.telemetry.add("round_trip", pending.round_trip)
         if isinstance(reply.result, list) and len(reply.result) == 2:
             self.telemetry.add("server.store", reply.result[0])

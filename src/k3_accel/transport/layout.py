@@ -34,8 +34,10 @@ class RowPlan:
 
     def row_index(self) -> np.ndarray | None:
         """Input row of every slot row (None: the slot takes the input rows as they are)."""
-        if self.total_rows == int(self.counts.sum()) and bool((np.diff(self.order) > 0).all()):
-            return None                                   # every row, in input order
+        # each group is in input order: all of them, ingest before propose, is the input as it is
+        if len(self.order) == len(self.counts) and (
+                not self.ingest.size or not self.propose.size or self.ingest[-1] < self.propose[0]):
+            return None
         src = np.cumsum(self.counts) - self.counts
         c = self.counts[self.order]
         return np.repeat(src[self.order] - self.dst, c) + np.arange(self.total_rows)

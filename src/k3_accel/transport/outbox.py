@@ -47,10 +47,10 @@ class Outbox:
                      handles: np.ndarray, anchor_tokens: np.ndarray | None = None, k: int = 0):
         """(message, frames, ids) of one part of a group."""
         reqs = group[part.index] if len(part.index) != len(group) else group
-        cols = [handles[reqs], part.starts, part.counts]
+        meta = np.empty((len(reqs), 3 if anchor_tokens is None else 4), dtype=np.int64)
+        meta[:, 0], meta[:, 1], meta[:, 2] = handles[reqs], part.starts, part.counts
         if anchor_tokens is not None:
-            cols.append(anchor_tokens[reqs])
-        meta = np.stack(cols, axis=1)
+            meta[:, 3] = anchor_tokens[reqs]
         rows = part.hi - part.lo
         frames = [meta.data, slot.token_ids.numpy()[part.lo:part.hi].data]
         ids = [inp.req_ids[i] for i in reqs.tolist()]

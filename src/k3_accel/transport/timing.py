@@ -24,7 +24,8 @@ class PhaseStat:
     def add(self, seconds: float) -> None:
         self.total += seconds
         self.count += 1
-        self.peak = max(self.peak, seconds)
+        if seconds > self.peak:
+            self.peak = seconds
 
     def as_ms(self) -> dict[str, float]:
         mean = self.total / self.count if self.count else 0.0
@@ -58,10 +59,14 @@ class Telemetry:
         self.steps = 0
 
     def add(self, phase: str, seconds: float) -> None:
-        for stats in (self._window, self._total):
-            stat = stats.get(phase)
+        stat = self._total.get(phase)
+        if stat is None:
+            stat = self._total[phase] = PhaseStat()
+        stat.add(seconds)
+        if self.log_interval:
+            stat = self._window.get(phase)
             if stat is None:
-                stat = stats[phase] = PhaseStat()
+                stat = self._window[phase] = PhaseStat()
             stat.add(seconds)
 
     @contextmanager

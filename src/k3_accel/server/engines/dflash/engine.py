@@ -212,8 +212,10 @@ class DFlashEngine(DraftEngine):
                     slots.append(self.cache.slots(state.blocks, first, n))
             if rows:
                 events = self._events()
-                index = torch.stack([batch.positions.long(), torch.cat(slots)])
-                index = index.to(self.device, non_blocking=True)
+                index = np.empty((2, rows), dtype=np.int64)
+                index[0] = batch.positions.numpy()
+                index[1] = np.concatenate(slots)
+                index = torch.from_numpy(index).to(self.device, non_blocking=True)
                 hidden = batch.hidden.to(self.device, non_blocking=True).to(self.dtype)
                 proj = context_projection(self.weights, self.ops, hidden)
                 self.ops.store_context(proj, self.weights.k_norms, self.weights.cos_sin, index[0],

@@ -8,6 +8,7 @@ slots by zero).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..pool import BlockPool
@@ -51,8 +52,11 @@ class KVCache:
         """Copy on write: the first ``rows`` rows of block ``src`` into block ``dst``."""
         self.kv[:, :, dst, :rows] = self.kv[:, :, src, :rows]
 
-    def slots(self, blocks: list[int], start: int, count: int) -> torch.Tensor:
-        """Flat slots (block * block_rows + row) of rows ``start .. start+count-1``."""
-        rows_per = self.pool.block_rows
-        rows = torch.arange(start, start + count)
-        return torch.tensor(blocks, dtype=torch.long)[rows // rows_per] * rows_per + rows % rows_per
+    def slots(self, blocks: list[int], start: int, count: int) -> np.ndarray | list[int]:
+        """Flat slots (block * block_rows + row) of rows ``start .. start+count-1``
+        (a plain list for a few rows: the decode case, where numpy costs more than it saves)."""
+        r = self.pool.block_rows
+        if count <= 8:
+            return [blocks[row // r] * r + row % r for row in range(start, start + count)]
+        rows = np.arange(start, start + count)
+        return np.asarray(blocks, dtype=np.int64)[rows // r] * r + rows % r
