@@ -87,28 +87,22 @@ def client(address: str, name: str, b: int, k: int, width: int, seconds: float, 
                "failures": failures})
 
 
-def run(engine: str, clients: int, b: int, k: int, seconds: float) -> dict:
-    proc, address = start_server(engine)
-    width = 0
-    try:
-        from k3_accel.demo.probe import probe
-        hello = probe(address, 60000)
-        width = hello["hello"]["context_width"]
-        before = hello["stats"]
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        start_at = time.time() + 15.0
-        procs = [ctx.Process(target=client, args=(address, f"t{i}", b, k, width, seconds, start_at, queue))
-                 for i in range(clients)]
-        for p in procs:
-            p.start()
-        results = [queue.get(timeout=600) for _ in procs]
-        for p in procs:
-            p.join(60)
-        after = probe(address, 60000)["stats"]
-    finally:
-        proc.terminate()
-        proc.wait(30)
+def run(address: str, engine: str, clients: int, b: int, k: int, seconds: float) -> dict:
+    from k3_accel.demo.probe import probe
+    hello = probe(address, 60000)
+    width = hello["hello"]["context_width"]
+    before = hello["stats"]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    start_at = time.time() + 30.0          # every client connected and prefilled by then
+    procs = [ctx.Process(target=client, args=(address, f"t{i}", b, k, width, seconds, start_at, queue))
+             for i in range(clients)]
+    for proc in procs:
+        proc.start()
+    results = [queue.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join(60)
+    after = probe(address, 60000)["stats"]
     calls = after["engine_batches"] - before["engine_batches"]
     drafted = after["proposals"] - before["proposals"]
     steps = sum(r["steps"] for r in results)
@@ -126,8 +120,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--out")
     args = ap.parse_args()
-    one = run(args.engine, 1, 32, args.k, args.seconds)
-    four = run(args.engine, 4, 8, args.k, args.seconds)
+    proc, address = start_server(args.engine)         # one server, one engine, for both set-ups
+    try:
+        one = run(address, args.engine, 1, 32, args.k, args.seconds)
+        four = run(address, args.engine, 4, 8, args.k, args.seconds)
+    finally:
+        proc.terminate()
+        proc.wait(30)
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     doc = {"summary": {"metric": f"drafted requests/s, 4 clients x B=8 / 1 client x B=32 ({args.engine} engine, "
                                  f"K={args.k}, one server)",
