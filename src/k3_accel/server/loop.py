@@ -19,6 +19,7 @@ is answered ``SHUTTING_DOWN``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -36,7 +37,9 @@ from k3_accel.server.state import Session
 
 log = logging.getLogger("k3_accel.server")
 POLL_MS = 100
-SPIN_S = 0.002        # after a round, poll without sleeping this long: a sleeping thread wakes slowly
+# after a round, poll without sleeping this long (a sleeping thread wakes slowly); not on a host of
+# 1-3 CPUs, where a spinning server takes the core its clients need
+SPIN_S = 0.002 if (os.cpu_count() or 1) >= 4 else 0.0
 HOUSEKEEPING_S = 0.5
 DRAIN_QUIET_MS = 300      # shutdown: answer what arrives until the socket is quiet this long ...
 DRAIN_MAX_S = 3.0         # ... but no longer than this

@@ -20,6 +20,7 @@ the batch. Draft ids outside the target's vocabulary become "no draft".
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Iterable
 
@@ -41,7 +42,9 @@ from k3_accel.transport.staging import Slot, StagingRing
 from k3_accel.transport.timing import Telemetry
 
 log = logging.getLogger("k3_accel.transport")
-SPIN_S = 0.002        # a propose's reply is awaited without sleeping this long (see Connection.wait)
+# a propose's reply is awaited without sleeping this long (see Connection.wait); not on a host of
+# 1-3 CPUs, where a spinning thread takes the core its peer needs
+SPIN_S = 0.002 if (os.cpu_count() or 1) >= 4 else 0.0
 
 
 class DraftClient:
