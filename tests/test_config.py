@@ -9,7 +9,7 @@ from k3_accel.config import ALLOWED_KEYS, ConfigError, K3Config, load_config
 def test_defaults():
     cfg = load_config({}, environ={})
     assert cfg == K3Config()
-    assert cfg.draft_address is None and cfg.draft_timeout_ms == 30000 and cfg.async_prefill_ingest == 2
+    assert cfg.draft_address is None and cfg.draft_timeout_ms == 30000 and cfg.ingest_ring_depth == 2
     assert cfg.dma_min_bytes.mode == "auto"
 
 
@@ -19,22 +19,22 @@ def test_reference_env_names():
         "VLLM_K3_DRAFT_ASYNC_PREFILL_INGEST": "0", "VLLM_K3_DRAFT_CAPTURE_DIR": "/tmp/cap",
         "VLLM_K3_DRAFT_TIMING_LOG_INTERVAL": "50", "VLLM_PCIE_DMA_MIN_BYTES": "24M"})
     assert cfg.draft_address == "tcp://10.0.0.2:5557" and cfg.draft_timeout_ms == 1500
-    assert cfg.async_prefill_ingest == 0 and cfg.capture_dir == "/tmp/cap" and cfg.timing_log_interval == 50
+    assert cfg.ingest_ring_depth == 0 and cfg.capture_dir == "/tmp/cap" and cfg.timing_log_interval == 50
     assert cfg.dma_min_bytes.mode == "bytes" and cfg.dma_min_bytes.min_bytes == 24 << 20
 
 
 def test_additional_config_wins_over_env():
-    cfg = load_config({"k3_accel": {"draft_address": "tcp://127.0.0.1:9", "async_prefill_ingest": 4}},
+    cfg = load_config({"k3_accel": {"draft_address": "tcp://127.0.0.1:9", "ingest_ring_depth": 4}},
                       environ={"VLLM_K3_DRAFT_REMOTE_ADDRESS": "tcp://127.0.0.1:1",
                                "VLLM_K3_DRAFT_ASYNC_PREFILL_INGEST": "1"})
-    assert cfg.draft_address == "tcp://127.0.0.1:9" and cfg.async_prefill_ingest == 4
+    assert cfg.draft_address == "tcp://127.0.0.1:9" and cfg.ingest_ring_depth == 4
 
 
 @pytest.mark.parametrize("section, env, needle", [
     ({"draft_adress": "tcp://x:1"}, {}, "unknown key(s) ['draft_adress']"),
     ({}, {"VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS": "soon"}, "VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS='soon': expected an integer > 0"),
     ({}, {"VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS": "0"}, "expected an integer > 0"),
-    ({"async_prefill_ingest": -1}, {}, "additional_config.k3_accel.async_prefill_ingest=-1: expected an integer >= 0"),
+    ({"ingest_ring_depth": -1}, {}, "additional_config.k3_accel.ingest_ring_depth=-1: expected an integer >= 0"),
     ({"draft_address": "localhost:5557"}, {}, "expected tcp://HOST:PORT"),
     ({}, {"VLLM_PCIE_DMA_MIN_BYTES": "-5"}, "VLLM_PCIE_DMA_MIN_BYTES"),
     ({}, {"VLLM_PCIE_DMA_MIN_BYTES": "lots"}, "allowed"),

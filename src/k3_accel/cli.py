@@ -42,8 +42,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _probe(args: argparse.Namespace) -> int:
     from k3_accel.demo.probe import ProbeError, probe
-    if not args.address.startswith(("tcp://", "ipc://")):
-        print(f"k3-accel probe: {args.address!r}: expected tcp://HOST:PORT or ipc://PATH", file=sys.stderr)
+    from k3_accel.config import ConfigError, check_address
+    try:
+        check_address(args.address)
+    except ConfigError as exc:
+        print(f"k3-accel probe: {exc}", file=sys.stderr)
         return 2
     try:
         print(json.dumps(probe(args.address, args.timeout_ms), indent=1))

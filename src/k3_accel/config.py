@@ -41,12 +41,24 @@ def _optional_str(key: str) -> Callable[[Any], str | None]:
     return parse
 
 
+def check_address(text: str, key: str = "address") -> str:
+    """The one rule for a draft server address: ``tcp://HOST:PORT`` (port 1..65535) or
+    ``ipc://PATH``; :class:`ConfigError` naming ``key`` otherwise."""
+    ok = False
+    if isinstance(text, str) and text.startswith("tcp://"):
+        host, _, port = text[len("tcp://"):].rpartition(":")
+        ok = bool(host) and port.isdigit() and 0 < int(port) < 65536
+    elif isinstance(text, str) and text.startswith("ipc://"):
+        ok = len(text) > len("ipc://")
+    if not ok:
+        raise ConfigError(f"{key}={text!r}: expected tcp://HOST:PORT or ipc://PATH")
+    return text
+
+
 def _address(key: str) -> Callable[[Any], str | None]:
     def parse(value: Any) -> str | None:
         text = _optional_str(key)(value)
-        if text is not None and not text.startswith(("tcp://", "ipc://")):
-            raise ConfigError(f"{key}={value!r}: expected tcp://HOST:PORT or ipc://PATH")
-        return text
+        return None if text is None else check_address(text, key)
     return parse
 
 
@@ -65,7 +77,7 @@ class K3Config:
 
     draft_address: str | None = None          # no address: vLLM behaves as stock
     draft_timeout_ms: int = 30000
-    async_prefill_ingest: int = 2             # pinned ring depth; 0 = synchronous ingest
+    ingest_ring_depth: int = 2                # pinned staging slots; 0 = every ingest waits for its reply
     capture_dir: str | None = None
     timing_log_interval: int = 0              # 0 = no periodic timing log
     dma_min_bytes: DmaThreshold = dataclasses.field(default_factory=lambda: parse_dma_min_bytes(None))
@@ -93,7 +105,7 @@ class _Setting:
 _SETTINGS = (
     _Setting("draft_address", "VLLM_K3_DRAFT_REMOTE_ADDRESS", _address),
     _Setting("draft_timeout_ms", "VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS", _positive_int),
-    _Setting("async_prefill_ingest", "VLLM_K3_DRAFT_ASYNC_PREFILL_INGEST",
+    _Setting("ingest_ring_depth", "VLLM_K3_DRAFT_ASYNC_PREFILL_INGEST",
              lambda key: _positive_int(key, allow_zero=True)),
     _Setting("capture_dir", "VLLM_K3_DRAFT_CAPTURE_DIR", _optional_str),
     _Setting("timing_log_interval", "VLLM_K3_DRAFT_TIMING_LOG_INTERVAL",

@@ -170,6 +170,8 @@ def _time(client, needs: handshake.TargetNeeds, n: int, report: Report) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        from k3_accel.config import check_address
+        check_address(args.address, "address")
         spec = json.loads(args.speculative_config)
         if not isinstance(spec, dict):
             raise DoctorError("--speculative-config: expected a JSON object")

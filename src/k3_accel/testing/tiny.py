@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from k3_accel.server.engines.dflash.weights import LAYER_TENSORS
 from safetensors.torch import save_file
 
 EOS_TOKEN, MASK_TOKEN = "<|endoftext|>", "<|mask|>"
@@ -108,6 +111,31 @@ def _write_tokenizer(directory: Path, vocab_size: int) -> bool:
 
 # ----------------------------------------------------------------- target ---
 
+@dataclass(frozen=True)
+class _Dims:
+    """The sizes the checkpoint's tensor-name table (``weights.LAYER_TENSORS``) reads."""
+    hidden_size: int
+    q_size: int
+    kv_size: int
+    head_dim: int
+    intermediate_size: int
+
+
+def _layer(gen: torch.Generator, prefix: str, dims: _Dims, k_norm: torch.Tensor | None = None
+           ) -> dict[str, torch.Tensor]:
+    """One decoder layer's random tensors, named and shaped by the engine's own table (the
+    target's ``model.layers.N.`` and the draft's ``layers.N.`` share the names); ``k_norm``
+    shared across layers when given."""
+    out = {}
+    for key, (name, shape) in LAYER_TENSORS.items():
+        size = shape(dims)
+        if key == "k_norm" and k_norm is not None:
+            out[prefix + name] = k_norm.clone()
+        else:
+            out[prefix + name] = _norm(gen, *size) if len(size) == 1 else _linear(gen, *size)
+    return out
+
+
 def write_tiny_target(dir: str | Path, *, vocab_size: int = 512, hidden_size: int = 128,
                       num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
                       head_dim: int = 32, seed: int = 0, intermediate_size: int | None = None,
@@ -124,21 +152,9 @@ def write_tiny_target(dir: str | Path, *, vocab_size: int = 512, hidden_size: in
     q, kv = num_heads * head_dim, num_kv_heads * head_dim
     t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": _randn(gen, vocab_size, hidden_size,
                                                                       std=1.0)}
+    dims = _Dims(hidden_size, q, kv, head_dim, ffn)
     for i in range(num_layers):
-        p = f"model.layers.{i}."
-        t.update({
-            p + "input_layernorm.weight": _norm(gen, hidden_size),
-            p + "post_attention_layernorm.weight": _norm(gen, hidden_size),
-            p + "self_attn.q_proj.weight": _linear(gen, q, hidden_size),
-            p + "self_attn.k_proj.weight": _linear(gen, kv, hidden_size),
-            p + "self_attn.v_proj.weight": _linear(gen, kv, hidden_size),
-            p + "self_attn.o_proj.weight": _linear(gen, hidden_size, q),
-            p + "self_attn.q_norm.weight": _norm(gen, head_dim),
-            p + "self_attn.k_norm.weight": _norm(gen, head_dim),
-            p + "mlp.gate_proj.weight": _linear(gen, ffn, hidden_size),
-            p + "mlp.up_proj.weight": _linear(gen, ffn, hidden_size),
-            p + "mlp.down_proj.weight": _linear(gen, hidden_size, ffn),
-        })
+        t.update(_layer(gen, f"model.layers.{i}.", dims))
     t["model.norm.weight"] = _norm(gen, hidden_size)
     t["lm_head.weight"] = _randn(gen, vocab_size, hidden_size, std=1.0 / math.sqrt(hidden_size) * 4)
     _save(out, t, dtype)
@@ -208,21 +224,10 @@ def tiny_dflash_weights(target_dir: str | Path, *, num_layers: int = 2,
     t: dict[str, torch.Tensor] = {"fc.weight": _linear(gen, h, width),
                                   "hidden_norm.weight": _norm(gen, h), "norm.weight": _norm(gen, h)}
     shared_k_norm = _norm(gen, hd)
+    dims = _Dims(h, q, kv, hd, intermediate_size)
     for i in range(num_layers):
         p = f"layers.{i}."
-        t.update({
-            p + "input_layernorm.weight": _norm(gen, h),
-            p + "post_attention_layernorm.weight": _norm(gen, h),
-            p + "self_attn.q_proj.weight": _linear(gen, q, h),
-            p + "self_attn.k_proj.weight": _linear(gen, kv, h),
-            p + "self_attn.v_proj.weight": _linear(gen, kv, h),
-            p + "self_attn.o_proj.weight": _linear(gen, h, q),
-            p + "self_attn.q_norm.weight": _norm(gen, hd),
-            p + "self_attn.k_norm.weight": (_norm(gen, hd) if distinct_k_norm else shared_k_norm.clone()),
-            p + "mlp.gate_proj.weight": _linear(gen, intermediate_size, h),
-            p + "mlp.up_proj.weight": _linear(gen, intermediate_size, h),
-            p + "mlp.down_proj.weight": _linear(gen, h, intermediate_size),
-        })
+        t.update(_layer(gen, p, dims, None if distinct_k_norm else shared_k_norm))
         if attention_bias:
             for name, n in (("q", q), ("k", kv), ("v", kv), ("o", h)):
                 t[p + f"self_attn.{name}_proj.bias"] = _randn(gen, n, std=0.5)

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from k3_accel.config import ConfigError, check_address
 from k3_accel.transport.failures import StepInputError
 
 LOGITS_MODES = ("none", "full", "topk")
@@ -44,8 +45,10 @@ class ClientSettings:
     zero_copy_min_bytes: int = 64 * 1024      # smaller frames are copied (cheaper than zero-copy)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.address, str) or not self.address.startswith(("tcp://", "ipc://", "inproc://")):
-            raise SettingsError(f"address={self.address!r}: expected tcp://HOST:PORT or ipc://PATH")
+        try:
+            check_address(self.address)
+        except ConfigError as exc:
+            raise SettingsError(str(exc)) from None
         for name, low in (("timeout_ms", 1), ("ring_depth", 0), ("max_rows", 1), ("context_width", 0),
                           ("num_speculative_tokens", 0), ("topk", 0), ("timing_log_interval", 0),
                           ("backoff_initial_ms", 1), ("backoff_max_ms", 1), ("heartbeat_ms", 1),
@@ -77,7 +80,7 @@ class ClientSettings:
         if not getattr(config, "draft_address", None):
             raise SettingsError("no draft server address (VLLM_K3_DRAFT_REMOTE_ADDRESS)")
         return cls(address=config.draft_address, timeout_ms=config.draft_timeout_ms,
-                   ring_depth=config.async_prefill_ingest, capture_dir=config.capture_dir,
+                   ring_depth=config.ingest_ring_depth, capture_dir=config.capture_dir,
                    timing_log_interval=config.timing_log_interval,
                    curve_server_key=config.curve_server_key, curve_client_key=config.curve_client_key,
                    **target)

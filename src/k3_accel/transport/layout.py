@@ -68,30 +68,29 @@ def stage(slot, index: np.ndarray | None, total: int, token_ids: torch.Tensor,
     rows are first gathered into a buffer that nothing else writes."""
     if total == 0:
         return None
-    dev = token_ids.device
-    if dev.type != "cuda":
-        idx = None if index is None else torch.from_numpy(index)
-        _copy_cpu(slot.token_ids[:total], token_ids if idx is None else token_ids.index_select(0, idx))
-        if hidden is not None:
-            _copy_cpu(slot.hidden[:total], hidden if idx is None else hidden.index_select(0, idx))
-        return None
-    compute, side = torch.cuda.current_stream(dev), _side_stream(dev)
     sources = {"token_ids": token_ids, "hidden": hidden} if hidden is not None else {"token_ids": token_ids}
+    on_cpu = {name: src for name, src in sources.items() if src.device.type != "cuda"}
+    for name, src in on_cpu.items():           # a plain memcpy on this thread
+        _copy_cpu(getattr(slot, name)[:total], src if index is None else src.index_select(0, torch.from_numpy(index)))
+    on_gpu = {name: src for name, src in sources.items() if name not in on_cpu}
+    if not on_gpu:
+        return None
+    dev = next(iter(on_gpu.values())).device
+    compute, side = torch.cuda.current_stream(dev), _side_stream(dev)
     idx = torch.from_numpy(index).to(dev, non_blocking=True) if index is not None else None
     srcs = []
-    for name, src in sources.items():
+    for name, src in on_gpu.items():
         if private:                      # gather into the slot's own device buffer (no allocation)
             buf = slot.device_buffer(name, src)[:total]
             torch.index_select(src, 0, idx, out=buf) if idx is not None else buf.copy_(src)
             src = buf
         elif idx is not None:
             src = src.index_select(0, idx)
-        srcs.append(src)
+        srcs.append((name, src))
     side.wait_stream(compute)
     with torch.cuda.stream(side):
-        dsts = [slot.token_ids[:total]] + ([slot.hidden[:total]] if hidden is not None else [])
-        for dst, src in zip(dsts, srcs):
-            dst.copy_(src, non_blocking=True)
+        for name, src in srcs:
+            getattr(slot, name)[:total].copy_(src, non_blocking=True)
             if not private:
                 src.record_stream(side)
         done = torch.cuda.Event()
