@@ -5,11 +5,13 @@ Public API::
     from k3_accel.transport import ClientSettings, DraftClient, StepInput, StepOutput
 
 Modules: ``api`` (settings, step input/output), ``client`` (the per-step
-driver), ``connection`` (DEALER socket, seq numbers, pending replies),
-``staging`` (pinned ring), ``layout`` (rows -> slot), ``failures``
-(typed errors, failure queue), ``handshake`` (hello checks), ``prefix``
-(reconnect sources), ``capture`` (feature capture), ``timing``
-(phases, counters).
+driver), ``link`` (connect, hello, backoff, restarts), ``connection`` (the
+DEALER socket, seq numbers, pending replies), ``book`` (request handles,
+admission, failures, frees), ``layout`` (rows -> slot, copies, message
+splitting), ``staging`` (pinned ring), ``outbox`` (messages out, replies
+settled), ``sender`` (the sender thread: deferred ingests, heartbeats),
+``handshake`` (the compatibility rules), ``failures`` (typed errors, failure
+queue), ``capture`` (feature capture), ``timing`` (phases, counters).
 """
 from __future__ import annotations
 
