@@ -94,6 +94,7 @@ def ingest_timeline(data: dict, path: Path) -> None:
     lanes = [lane for lane in LANES if any(b["lane"] == lane for b in bars)]
     lanes += sorted({b["lane"] for b in bars} - set(lanes))
     t0 = min(b["start_us"] for b in bars)
+    span = max(b["end_us"] for b in bars) - t0
     plt = _plt()
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.8 * len(lanes)))
     for y, lane in enumerate(lanes):
@@ -102,8 +103,11 @@ def ingest_timeline(data: dict, path: Path) -> None:
                        facecolors=f"C{y}", edgecolors="white")
         for b in mine:
             width = b["end_us"] - b["start_us"]
-            ax.text(b["start_us"] - t0 + width / 2, y, b["label"], ha="center", va="center", fontsize=7,
-                    clip_on=True)
+            text = b["label"].split(": ")[-1] if ": " in b["label"] else b["label"]
+            if width < 0.04 * span:           # a sliver: say how long it took instead of naming it
+                text = f"{width / 1e3:.1f} ms"
+            ax.text(b["start_us"] - t0 + width / 2, y + (0.45 if width < 0.04 * span else 0), text,
+                    ha="center", va="center", fontsize=7, clip_on=True)
     ax.set_yticks(range(len(lanes)), [f"{lane}" for lane in lanes])
     ax.invert_yaxis()
     ax.set_xlabel("time (µs from the first event)")
