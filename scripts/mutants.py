@@ -1,0 +1,128 @@
+"""Plant bugs in the safety rules, one at a time, and see which the test suite catches.
+
+For each mutant: copy the checkout (src, tests, pyproject) into a temporary
+directory, replace one snippet of source with a broken version, run the tests
+that guard that rule there, and report CAUGHT (some test failed) or MISSED
+(all passed: the suite does not check that rule). A snippet that is no longer
+in the source is reported STALE (update this list with the code).
+
+For contributors, not run in CI (about 15 minutes on 2 cores):
+
+    .venv/bin/python scripts/mutants.py            # every mutant
+    .venv/bin/python scripts/mutants.py vocab lease # mutants whose name contains a word
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    rule: str
+    file: str           # under src/k3_accel/
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = (
+    Mutant("fail-open-mask", "fail closed: a disabled request gets no drafts", "transport/client.py",
+           "        if disabled:\n            drafts[disabled] = -1",
+           "        if False:\n            drafts[disabled] = -1",
+           ("tests/test_transport_client.py",)),
+    Mutant("vocab-range", "draft ids outside the target's vocabulary never reach vLLM", "transport/client.py",
+           "bad = ((d < -1) | (d >= vocab)).any(axis=1) if vocab else (d < -1).any(axis=1)",
+           "bad = (d < -1).any(axis=1)",
+           ("tests/test_transport_client.py::test_out_of_vocab_drafts_are_dropped",)),
+    Mutant("per-request-errors", "one request's failure is its own", "server/rows.py",
+           "        except RequestError as exc:\n            out.fail(i, exc)\n            continue\n        fresh += new",
+           "        except RequestError as exc:\n            raise\n        fresh += new",
+           ("tests/test_server.py", "tests/test_transport_client.py")),
+    Mutant("gap-accepted", "rows past the stored context are refused", "server/rows.py",
+           "            if start > length:", "            if start > length + 10 ** 9:",
+           ("tests/test_server.py", "tests/test_store.py")),
+    Mutant("no-rewind-ngram", "rows that start inside the context rewind it", "server/engines/ngram.py",
+           "            state.rewind(start)\n", "",
+           ("tests/test_ngram.py", "tests/test_server.py")),
+    Mutant("no-rewind-pool", "a rewind returns the blocks past it", "server/engines/pool.py",
+           "        self.truncate(table, start)\n        if count <= 0:",
+           "        if count <= 0:",
+           ("tests/test_dflash_pool.py", "tests/test_ngram.py")),
+    Mutant("tenant-isolation", "a session only sees its own requests", "server/state.py",
+           "        return session.active.get(handle) or self.retained.get((session.key, handle))",
+           "        return session.active.get(handle) or next((s for (k, h), s in self.retained.items() "
+           "if h == handle), None)",
+           ("tests/test_server_sessions.py",)),
+    Mutant("no-lease", "a silent session is reclaimed", "server/loop.py",
+           "            for session in store.expired(self.lease_s, now):",
+           "            for session in []:",
+           ("tests/test_server_sessions.py",)),
+    Mutant("frees-capped", "frees that could not be sent are all sent later", "transport/book.py",
+           "        self._unsent_frees.append((handles, retain))",
+           "        self._unsent_frees.append((handles, retain))\n        del self._unsent_frees[:-1]",
+           ("tests/test_transport_faults.py",)),
+    Mutant("late-timeout", "a reply's timeout is honoured", "transport/connection.py",
+           "            left = item.deadline - time.monotonic()\n            if left <= 0",
+           "            left = item.deadline + 5.0 - time.monotonic()\n            if left <= 0",
+           ("tests/test_transport_faults.py",)),
+    Mutant("propose-overtakes-ingest", "a propose never leaves before the ingests queued before it",
+           "transport/client.py",
+           "        if not deferred and not self.sender.wait_idle(self.settings.timeout_s):",
+           "        if False:",
+           ("tests/test_transport_client.py::test_deferred_ingests_then_propose_are_processed_in_order",
+            "tests/test_transport_hidden.py")),
+    Mutant("dma-fail-open", "a runtime that does not state its capability is not capable",
+           "comm/eligibility.py",
+           "    if isinstance(value, bool):\n        return value\n    return None",
+           "    if isinstance(value, bool):\n        return value\n    return True",
+           ("tests/test_comm_router.py", "tests/test_comm_consensus.py")),
+)
+
+
+def run(mutant: Mutant, python: str, timeout: float) -> str:
+    with tempfile.TemporaryDirectory(prefix="k3-mutant-") as tmp:
+        root = Path(tmp)
+        for part in ("src", "tests", "pyproject.toml"):
+            src = ROOT / part
+            (shutil.copytree if src.is_dir() else shutil.copy)(src, root / part,
+                                                              **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                                                 if src.is_dir() else {}))
+        path = root / "src" / "k3_accel" / mutant.file
+        text = path.read_text()
+        if mutant.old not in text:
+            return "STALE"
+        path.write_text(text.replace(mutant.old, mutant.new, 1))
+        env = {**os.environ, "PYTHONPATH": str(root / "src")}
+        try:
+            proc = subprocess.run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutant.tests],
+                                  cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "CAUGHT (timeout)"
+        return "CAUGHT" if proc.returncode != 0 else "MISSED"
+
+
+def main(argv: list[str]) -> int:
+    chosen = [m for m in MUTANTS if not argv or any(word in m.name for word in argv)]
+    python = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").exists() else sys.executable
+    missed = 0
+    for mutant in chosen:
+        t0 = time.monotonic()
+        verdict = run(mutant, python, timeout=900)
+        missed += verdict == "MISSED"
+        print(f"{verdict:16s} {mutant.name:26s} {time.monotonic() - t0:6.0f} s  {mutant.rule}", flush=True)
+    print(f"{len(chosen) - missed} of {len(chosen)} caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
