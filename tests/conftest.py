@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 
 from helpers.server import ServerProcess
+from helpers.steps import settings
 from helpers.wire import Wire
+from k3_accel.transport.client import DraftClient
 
 
 def _capabilities() -> dict[str, str | None]:
@@ -78,3 +80,25 @@ def tp_group(vllm_config):
     from helpers.v2_sim import vllm_world
     with vllm_world(vllm_config) as group:
         yield group
+
+
+@pytest.fixture
+def server():
+    """A plain ngram draft server (default flags)."""
+    srv = ServerProcess("--engine", "ngram")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client_factory():
+    """Started DraftClients (tests' settings), closed at the end of the test."""
+    made: list[DraftClient] = []
+
+    def make(address: str, **kw) -> DraftClient:
+        client = DraftClient(settings(address, **kw)).start()
+        made.append(client)
+        return client
+    yield make
+    for client in made:
+        client.close()

@@ -14,7 +14,6 @@ from helpers.oracles import ngram_lookup
 from helpers.server import ServerProcess, src_env
 from helpers.steps import settings, step
 from helpers.wire import Wire
-from k3_accel import protocol as p
 from k3_accel.transport.client import DraftClient
 from k3_accel.transport.link import State
 

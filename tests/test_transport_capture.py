@@ -16,7 +16,6 @@ from hypothesis import given, settings as hsettings, strategies as st
 
 from k3_accel.transport.capture import (TAIL, CaptureIndex, CaptureJob, CaptureWriter, read_capture,
                                         recover_index, request_file_stem)
-from helpers.clients import client_factory, server  # noqa: F401 (fixtures)
 from helpers.server import SRC
 from helpers.steps import step as rows
 

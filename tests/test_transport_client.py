@@ -1,15 +1,13 @@
 """DraftClient against a real ngram draft server (subprocess, real ZMQ sockets)."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 
-from helpers.clients import client_factory, server  # noqa: F401 (fixtures)
 from helpers.oracles import ngram_lookup as lookup
 from helpers.server import ServerProcess
-from helpers.steps import step as rows, wait_until
+from helpers.steps import drafts_again, step as rows
 from k3_accel.transport.api import StepInput
 from k3_accel.transport.failures import StepInputError
 
@@ -236,20 +234,6 @@ def test_bad_step_input_raises_typed_error(server, client_factory):
         client.step(rows(["a"], [(0, [1, 2])], k=17))
 
 
-def _draft_with_fresh_requests(client, timeout: float = 60.0):
-    """Step new requests until one gets drafts (the connection may take a few steps to come back)."""
-    found = []
-
-    def attempt() -> bool:
-        name = f"fresh-{len(found)}-{time.monotonic_ns()}"
-        out = client.step(rows([name], [(0, [1, 2, 1])], anchors=[2]))
-        if out.drafts[0].tolist() == expected_drafts([1, 2, 1], 2):
-            found.append(name)
-            return True
-        return False
-    return found[-1] if wait_until(attempt, timeout, interval=0.02) else None
-
-
 def test_server_unreachable_at_start_then_appears(client_factory):
     srv = ServerProcess("--engine", "ngram", ready=False)
     srv.kill()                                            # the port is known, nobody listens
@@ -259,7 +243,7 @@ def test_server_unreachable_at_start_then_appears(client_factory):
     assert out.drafts.tolist() == [[-1] * K]
     srv.start()
     try:
-        assert _draft_with_fresh_requests(client) is not None
+        assert drafts_again(client)
     finally:
         srv.stop()
 
@@ -269,16 +253,13 @@ def test_timeout_disables_batch_and_recovers(server, client_factory):
     client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
     server.pause()
     try:
-        started = time.monotonic()
-        out = client.step(rows(["a"], [(3, [2])], anchors=[1]))
-        waited = time.monotonic() - started
+        out = client.step(rows(["a"], [(3, [2])], anchors=[1]))      # (the bound: test_transport_faults)
     finally:
         server.resume()
     assert out.drafts.tolist() == [[-1] * K]
-    assert waited < 2.0 + 30.0                             # the bound is honoured (generous margin)
     assert client.is_disabled("a")
     assert client.stats()["counters"]["failures.transport"] >= 1
-    assert _draft_with_fresh_requests(client) is not None
+    assert drafts_again(client)
     assert client.is_disabled("a")                         # stays off until it leaves the batch
     assert client.stats()["counters"].get("server_restarts", 0) == 0
 
@@ -290,9 +271,9 @@ def test_server_restart_disables_everything_and_new_requests_draft(client_factor
         client.step(rows(["a", "b"], [(0, [1, 2, 1]), (0, [3, 4, 3])], anchors=[2, 4]))
         old_id = client.stats()["server_id"]
         srv.restart()
-        name = _draft_with_fresh_requests(client)
-        assert name is not None
-        out = client.step(rows(["a", "b", name], [(3, [2]), (3, [4]), (3, [2])], anchors=[1, 3, 1]))
+        assert drafts_again(client)
+        client.step(rows(["c"], [(0, [1, 2, 1])], anchors=[2]))
+        out = client.step(rows(["a", "b", "c"], [(3, [2]), (3, [4]), (3, [2])], anchors=[1, 3, 1]))
         assert out.drafts[0].tolist() == [-1] * K and out.drafts[1].tolist() == [-1] * K
         assert out.drafts[2].tolist() == expected_drafts([1, 2, 1, 2], 1)
         stats = client.stats()

@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from helpers.clients import client_factory, server  # noqa: F401 (fixtures)
-from helpers.steps import step as rows, wait_until
+from helpers.steps import drafts_again, step as rows, wait_until
 
 MARGIN_S = 3.5          # scheduling slack on a busy 2-core box; a 5 s late timeout still fails
 
@@ -60,9 +59,7 @@ def test_frees_queued_during_an_outage_reach_the_server_afterwards(server, clien
         client.finish(ids)                                                  # nowhere to send these
     finally:
         server.resume()
-    names = iter(range(10 ** 6))
-    assert wait_until(lambda: client.step(rows([f"n{next(names)}"], [(0, [1, 2, 1])], anchors=[2]))
-                      .drafts[0, 0].item() == 1)                            # drafting again
+    assert drafts_again(client)
     client.flush()
     assert wait_until(lambda: client.server_stats()["active"] <= 1 + 1)     # the probe and the last n
     stats = client.server_stats()
@@ -98,9 +95,7 @@ def test_the_sender_thread_failing_fails_closed_like_a_socket(server, client_fac
     counters = client.stats()["counters"]
     assert counters["failures.sender"] == 1 and counters["failures.transport"] >= 1
     monkeypatch.undo()
-    names = iter(range(10 ** 6))
-    assert wait_until(lambda: client.step(rows([f"n{next(names)}"], [(0, [1, 2, 1])], anchors=[2]))
-                      .drafts[0, 0].item() == 1)                            # and it recovers
+    assert drafts_again(client)                                             # and it recovers
 
 
 @pytest.mark.parametrize("heartbeat_ms", [200])

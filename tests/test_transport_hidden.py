@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.clients import client_factory  # noqa: F401 (fixture)
 from helpers.server import ServerProcess
 from k3_accel.testing.dflash_reference import DFlashReference
 from k3_accel.testing.precision import check_drafts, check_logits

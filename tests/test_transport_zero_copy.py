@@ -14,9 +14,8 @@ import time
 import pytest
 import torch
 
-from helpers.clients import client_factory, server  # noqa: F401 (fixtures)
 from helpers.relay import Relay, digest
-from helpers.steps import step as rows, wait_until
+from helpers.steps import drafts_again, wait_until
 from k3_accel.transport.staging import StagingRing
 
 ROWS = 1 << 18          # 256 Ki rows: 2 MiB of token ids per step (far beyond the socket buffers)
@@ -103,9 +102,4 @@ def test_ring_wait_gives_up_at_the_timeout_and_fails_closed(relay, client_factor
     assert counters["disabled_requests"] == 1
     relay.paused.clear()
     # the connection was rebuilt; a new request drafts again (slot freed once libzmq let go)
-    names = iter(range(100_000))
-
-    def drafts_again() -> bool:
-        out = client.step(rows([f"n{next(names)}"], [(0, [1, 2, 1])], anchors=[2]))
-        return out.drafts[0].tolist() == [1, 2, -1, -1]      # ngram continuation of 1 2 1 | 2
-    assert wait_until(drafts_again, interval=0.02)
+    assert drafts_again(client)

@@ -43,3 +43,14 @@ def wait_until(cond, timeout: float = 60.0, interval: float = 0.01) -> bool:
             return True
         time.sleep(interval)
     return bool(cond())
+
+
+def drafts_again(client, timeout: float = 60.0) -> bool:
+    """Step fresh requests (history 1 2 1, anchor 2) until one gets the ngram draft 1 2 again:
+    the client reconnects only inside steps, so recovery is something steps must drive."""
+    names = iter(range(10 ** 9))
+
+    def attempt() -> bool:
+        out = client.step(step([f"fresh-{next(names)}"], [(0, [1, 2, 1])], anchors=[2]))
+        return out.drafts[0, :2].tolist() == [1, 2]
+    return wait_until(attempt, timeout, interval=0.02)

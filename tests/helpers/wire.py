@@ -36,7 +36,11 @@ class Wire:
             if hello else None
 
     def send_frames(self, frames: list) -> None:
-        self.sock.send_multipart(frames)
+        """Send, or TimeoutError when no peer takes the message in time (a DEALER without a
+        connected peer, e.g. after a refused CURVE handshake, would block forever)."""
+        if not self.sock.poll(self.timeout_ms, zmq.POLLOUT):
+            raise TimeoutError("cannot send: no connected peer")
+        self.sock.send_multipart(frames, zmq.NOBLOCK)
 
     def recv(self) -> p.Reply:
         if not self.sock.poll(self.timeout_ms):
