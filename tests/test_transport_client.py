@@ -215,6 +215,9 @@ def test_incompatible_k_fails_closed(server, client_factory, caplog):
     assert "does not fit" in caplog.text and "K: target asks for 64, server allows 16" in caplog.text
     out = client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2], k=4))
     assert out.drafts.tolist() == [[-1] * 4]
+    # the server opened a session at hello; the client that will not use it says goodbye at once
+    observer = client_factory(server.address)
+    assert list(observer.server_stats()["sessions"]) == [observer.server_stats()["session"]]
 
 
 def test_logits_required_but_unsupported_fails_closed(server, client_factory):

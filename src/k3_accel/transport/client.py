@@ -88,11 +88,7 @@ class DraftClient:
             return
         self.sender.close(self.settings.timeout_s)
         if self.link.ready:
-            try:
-                bye = self.link.conn.send(p.Bye())
-                self.link.conn.wait(_shorter(bye, 2.0))
-            except TransportError:
-                pass
+            self.link.goodbye()
         if self._capture is not None:
             self._capture.flush(self.settings.timeout_s)
             self._capture.close()
@@ -405,8 +401,3 @@ class DraftClient:
 
 def _batch_ids(inp: StepInput) -> list[str]:
     return [rid for rid, c, s in zip(inp.req_ids, inp.counts, inp.sampled) if c > 0 or s]
-
-
-def _shorter(item: Pending, seconds: float) -> Pending:
-    item.deadline = min(item.deadline, time.monotonic() + seconds)
-    return item

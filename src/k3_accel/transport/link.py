@@ -72,6 +72,15 @@ class Link:
             log.error("k3 draft server not usable at start (%s); drafting stays off until it answers", exc)
             self.lose(exc)
 
+    def goodbye(self, seconds: float = 2.0) -> None:
+        """Tell the server to free this client's session; bounded, best effort."""
+        try:
+            bye = self.conn.send(p.Bye())
+            bye.deadline = min(bye.deadline, time.monotonic() + seconds)
+            self.conn.wait(bye)
+        except TransportError:
+            pass
+
     def close(self) -> None:
         if self.state is State.CLOSED:
             return
@@ -108,6 +117,8 @@ class Link:
         try:
             caps = handshake.check(reply, needs)
         except IncompatibleServer as exc:
+            if reply.ok:                  # the server opened a session for us: free it now
+                self.goodbye()
             self._incompatible(exc)
             return
         self.caps, self.state = caps, State.READY
