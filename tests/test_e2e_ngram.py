@@ -78,6 +78,6 @@ def test_a_batch_of_max_tokens_1_requests_reaches_no_server(result):
     ops = first["server"]["ops"]
     assert "propose" not in ops and "ingest" not in ops, ops
     assert first["server"]["ingested_rows"] == 0
-    assert first["spec"] == {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+    assert first["spec"] == {"drafts": 0, "draft_tokens": 0, "accepted": 0, "preemptions": 0}
     # the same engine then drafts normally
     assert result["dflash-config"]["rounds"][1]["server"]["ops"].get("propose", 0) > 0
