@@ -36,10 +36,10 @@ class Mutant:
 
 
 MUTANTS = (
-    Mutant("fail-open-mask", "fail closed: a disabled request gets no drafts", "transport/client.py",
-           "        if disabled:\n            drafts[disabled] = -1",
-           "        if False:\n            drafts[disabled] = -1",
-           ("tests/test_transport_client.py",)),
+    Mutant("fail-open", "fail closed: a disabled request sits out until it leaves the batch", "transport/client.py",
+           "live = np.fromiter((r.disabled is None for r in recs), dtype=bool, count=n)",
+           "live = np.ones(n, dtype=bool)",
+           ("tests/test_transport_client.py", "tests/test_transport_faults.py")),
     Mutant("vocab-range", "draft ids outside the target's vocabulary never reach vLLM", "transport/client.py",
            "bad = ((d < -1) | (d >= vocab)).any(axis=1) if vocab else (d < -1).any(axis=1)",
            "bad = (d < -1).any(axis=1)",

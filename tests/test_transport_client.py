@@ -1,6 +1,8 @@
 """DraftClient against a real ngram draft server (subprocess, real ZMQ sockets)."""
 from __future__ import annotations
 
+import threading
+import time
 
 import pytest
 import torch
@@ -28,8 +30,15 @@ def small_server():
     srv.stop()
 
 
-def test_deferred_ingests_then_propose_are_processed_in_order(server, client_factory):
+def test_deferred_ingests_then_propose_are_processed_in_order(server, client_factory, monkeypatch):
     client = client_factory(server.address, ring_depth=4)
+    original = client.link.conn.post
+
+    def slow_post(*args, **kwargs):          # a sender thread that lags behind the target's thread
+        if threading.current_thread().name == "k3-draft-sender":
+            time.sleep(0.3)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(client.link.conn, "post", slow_post)
     history = [7, 8, 9, 10, 11] * 30 + [1, 2, 3]
     first, second, last = history[:60], history[60:120], history[120:]
     out1 = client.step(rows(["a"], [(0, first)], sampled=[False]))
