@@ -38,7 +38,7 @@ def ingest_step(positions: torch.Tensor, tokens: torch.Tensor):
 def relay(server):
     r = Relay(server.address)
     yield r
-    r.paused.clear()
+    r.resume()
     r.close()
 
 
@@ -50,7 +50,7 @@ def forwarded_ingests(relay: Relay) -> list[str]:
 def test_slot_is_not_rewritten_before_its_reply_and_ring_applies_back_pressure(relay, client_factory):
     client = client_factory(relay.address, ring_depth=2, max_rows=ROWS, timeout_ms=20000)
     steps = [chunk(s) for s in range(4)]
-    relay.paused.set()
+    relay.pause()
     assert client.step(ingest_step(*steps[0])).deferred
     assert client.step(ingest_step(*steps[1])).deferred
     done = threading.Event()
@@ -60,7 +60,7 @@ def test_slot_is_not_rewritten_before_its_reply_and_ring_applies_back_pressure(r
     # (a slow machine only makes it wait longer; the timeout is 20 s)
     time.sleep(0.5)
     assert not done.is_set() and worker.is_alive()
-    relay.paused.clear()
+    relay.resume()
     worker.join(30)
     assert done.is_set()
     client.step(ingest_step(*steps[3]))
@@ -79,10 +79,10 @@ def test_relay_detects_a_slot_reused_too_early(relay, client_factory, monkeypatc
     client = client_factory(relay.address, ring_depth=1, max_rows=ROWS, timeout_ms=20000)
     monkeypatch.setattr(StagingRing, "busy", lambda self, slot: False)
     steps = [chunk(s) for s in range(3)]
-    relay.paused.set()
+    relay.pause()
     for s in steps:                                     # each step rewrites the only slot at once
         client.step(ingest_step(*s))
-    relay.paused.clear()
+    relay.resume()
     assert wait_until(lambda: len(forwarded_ingests(relay)) == 3)
     # the paused relay's own queue may absorb the first message; later ones sit in the client
     assert forwarded_ingests(relay) != [digest(tok) for _, tok in steps]
@@ -91,7 +91,7 @@ def test_relay_detects_a_slot_reused_too_early(relay, client_factory, monkeypatc
 def test_ring_wait_gives_up_at_the_timeout_and_fails_closed(relay, client_factory):
     client = client_factory(relay.address, ring_depth=1, max_rows=ROWS, timeout_ms=2000)
     steps = [chunk(s) for s in range(2)]
-    relay.paused.set()
+    relay.pause()
     client.step(ingest_step(*steps[0]))
     out = client.step(ingest_step(*steps[1]))           # slot busy; no reply comes in time
     assert client.is_disabled("a")
@@ -100,6 +100,6 @@ def test_ring_wait_gives_up_at_the_timeout_and_fails_closed(relay, client_factor
     # the ring's deadline or the message's, whichever comes first: either way the batch fails closed
     assert counters.get("failures.transport", 0) + counters.get("failures.ring_timeout", 0) >= 1
     assert counters["disabled_requests"] == 1
-    relay.paused.clear()
+    relay.resume()
     # the connection was rebuilt; a new request drafts again (slot freed once libzmq let go)
     assert drafts_again(client)

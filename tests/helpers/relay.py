@@ -1,7 +1,10 @@
 """A ROUTER (client side) <-> DEALER (server side) forwarder that can be paused.
 
 While paused it reads nothing from the client, so large zero-copy frames stay
-queued inside the client's libzmq. Every forwarded request is recorded in
+queued inside the client's libzmq. :meth:`pause` returns only once no forward
+is under way: a message sent after it is never forwarded before :meth:`resume`
+(checking a flag before a 5 ms poll would let one that arrives during the poll
+through). Every forwarded request is recorded in
 ``seen`` as ``(seq, op, [blake2b of each frame after the header])``.
 """
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Relay:
         self.back.setsockopt(zmq.LINGER, 0)
         self.back.connect(server_address)
         self.paused = threading.Event()
+        self._front_lock = threading.Lock()          # held from the pause check to the forward
         self.stop_flag = threading.Event()
         self.seen: list[tuple[int, str, list[str]]] = []
         self._idents: collections.deque[bytes] = collections.deque()   # one per forwarded request
@@ -53,16 +57,24 @@ class Relay:
 
     def _run(self) -> None:
         while not self.stop_flag.is_set():
-            if not self.paused.is_set() and self.front.poll(5):
-                frames = self.front.recv_multipart()
-                self._idents.append(frames[0])
-                _, seq, msg = msgpack.unpackb(frames[1], raw=False)
-                self.seen.append((seq, msg[0], [digest(f) for f in frames[2:]]))
-                self.back.send_multipart(frames[1:])
+            with self._front_lock:
+                if not self.paused.is_set() and self.front.poll(5):
+                    frames = self.front.recv_multipart()
+                    self._idents.append(frames[0])
+                    _, seq, msg = msgpack.unpackb(frames[1], raw=False)
+                    self.seen.append((seq, msg[0], [digest(f) for f in frames[2:]]))
+                    self.back.send_multipart(frames[1:])
             while self.back.poll(0 if not self.paused.is_set() else 5):
                 self.front.send_multipart([self._idents.popleft(), *self.back.recv_multipart()])
             if self.paused.is_set():
                 time.sleep(0.005)
+
+    def pause(self) -> None:
+        with self._front_lock:
+            self.paused.set()
+
+    def resume(self) -> None:
+        self.paused.clear()
 
     def close(self) -> None:
         self.stop_flag.set()
