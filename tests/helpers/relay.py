@@ -39,7 +39,7 @@ class Relay:
         self.back = self.ctx.socket(zmq.DEALER)
         self.back.setsockopt(zmq.LINGER, 0)
         self.back.connect(server_address)
-        self.paused = threading.Event()
+        self._paused = threading.Event()
         self._front_lock = threading.Lock()          # held from the pause check to the forward
         self.stop_flag = threading.Event()
         self.seen: list[tuple[int, str, list[str]]] = []
@@ -58,23 +58,23 @@ class Relay:
     def _run(self) -> None:
         while not self.stop_flag.is_set():
             with self._front_lock:
-                if not self.paused.is_set() and self.front.poll(5):
+                if not self._paused.is_set() and self.front.poll(5):
                     frames = self.front.recv_multipart()
                     self._idents.append(frames[0])
                     _, seq, msg = msgpack.unpackb(frames[1], raw=False)
                     self.seen.append((seq, msg[0], [digest(f) for f in frames[2:]]))
                     self.back.send_multipart(frames[1:])
-            while self.back.poll(0 if not self.paused.is_set() else 5):
+            while self.back.poll(0 if not self._paused.is_set() else 5):
                 self.front.send_multipart([self._idents.popleft(), *self.back.recv_multipart()])
-            if self.paused.is_set():
+            if self._paused.is_set():
                 time.sleep(0.005)
 
     def pause(self) -> None:
         with self._front_lock:
-            self.paused.set()
+            self._paused.set()
 
     def resume(self) -> None:
-        self.paused.clear()
+        self._paused.clear()
 
     def close(self) -> None:
         self.stop_flag.set()
