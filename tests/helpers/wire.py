@@ -1,6 +1,7 @@
 """A bare DEALER that speaks the wire protocol: one request, one reply (server tests)."""
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -37,10 +38,18 @@ class Wire:
 
     def send_frames(self, frames: list) -> None:
         """Send, or TimeoutError when no peer takes the message in time (a DEALER without a
-        connected peer, e.g. after a refused CURVE handshake, would block forever)."""
-        if not self.sock.poll(self.timeout_ms, zmq.POLLOUT):
-            raise TimeoutError("cannot send: no connected peer")
-        self.sock.send_multipart(frames, zmq.NOBLOCK)
+        connected peer, e.g. after a refused CURVE handshake, would block forever).  The peer
+        can go between the poll and the send (a handshake refused in that gap): then poll again."""
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.sock.poll(left_ms, zmq.POLLOUT):
+                raise TimeoutError("cannot send: no connected peer")
+            try:
+                return self.sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("cannot send: the peer went away") from None
 
     def recv(self) -> p.Reply:
         if not self.sock.poll(self.timeout_ms):
