@@ -35,7 +35,8 @@ from rpc import env, free_port, ping_pong  # noqa: E402  (benchmarks/rpc.py)
 import draft_step  # noqa: E402  (benchmarks/draft_step.py)
 
 
-def serve(port: int, quick: bool) -> None:
+def serve(port: int, quick: bool, profile: str | None = None) -> None:
+    import signal
     import zmq
     from k3_accel.server.engines.dflash import DFlashEngine
     from k3_accel.server.loop import ServerLoop
@@ -54,12 +55,26 @@ def serve(port: int, quick: bool) -> None:
     import gc
     gc.collect()
     gc.freeze()          # as k3-draft-server does once its engine is loaded
-    loop.serve(threading.Event())
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if profile is None:
+        loop.serve(stop)
+        return
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        loop.serve(stop)
+    by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    with open(profile, "w") as f:
+        f.write(prof.key_averages().table(sort_by=by, row_limit=40, max_name_column_width=60) + "\n")
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
+                                          max_name_column_width=60) + "\n")
 
 
-def run(b: int, k: int, context: int, iters: int, quick: bool) -> dict:
+def run(b: int, k: int, context: int, iters: int, quick: bool, profile: str | None = None) -> dict:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)] + (["--quick"] if quick else []),
+    extra = (["--quick"] if quick else []) + (["--profile-server", profile] if profile else [])
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)] + extra,
                             env=env(), stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline().split()
     if not line or line[0] != "ready":
@@ -86,6 +101,8 @@ def run(b: int, k: int, context: int, iters: int, quick: bool) -> dict:
         times, server = [], []
         phases = client.telemetry._total
         for i in range(iters + 10):
+            if i == 10:
+                phases.clear()                 # the client's phases: decode steps only
             pos = context + i
             inp = StepInput(ids, [1] * b, torch.full((b,), pos, device=dev), torch.randint(0, 1000, (b,), device=dev),
                             [True] * b, torch.randint(0, 1000, (b,), device=dev), torch.full((b,), pos + 1, device=dev),
@@ -125,12 +142,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--profile-server", help="write the server's torch profile (device and host time by op) to this file")
     ap.add_argument("--merge", help="a draft-step JSON to write the result into (client_round_trip)")
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.quick)
+        serve(args.serve, args.quick, args.profile_server)
         return
-    result = run(args.batch, args.k, args.context, args.iters, args.quick)
+    result = run(args.batch, args.k, args.context, args.iters, args.quick, args.profile_server)
     print(json.dumps(result, indent=2))
     if args.merge:
         doc = json.loads(Path(args.merge).read_text())

@@ -279,3 +279,41 @@ def test_a_request_refused_for_the_pool_takes_no_request_slot():
     reply = svc.ingest(s, [(0, 0, [1] * 20), (1, 0, [1]), (2, 0, [2])])     # 5 blocks: more than the pool
     assert codes(reply) == {0: "CAPACITY"}
     assert sorted(s.active) == [1, 2]
+
+
+SPECIALS = {  # per dtype: values that are NaN/Inf, and finite edge values (largest, tiny, -0)
+    "bfloat16": ([float("nan"), float("inf"), -float("inf")], [3.3895e38, -3.3895e38, 1e-40, -0.0]),
+    "float16": ([float("nan"), float("inf"), -float("inf")], [65504.0, -65504.0, 6e-8, -0.0]),
+    "float32": ([float("nan"), float("inf"), -float("inf")], [3.4028e38, -3.4028e38, 1e-45, -0.0]),
+}
+
+
+@pytest.mark.parametrize("dtype", sorted(SPECIALS))
+@pytest.mark.parametrize("width", [1, 7, 20480])
+def test_bad_rows_counts_exactly_the_rows_torch_calls_non_finite(dtype, width):
+    """The bit test agrees with ``torch.isfinite`` on every row, across the slab boundary of the
+    check, for NaN and both infinities of either sign bit, and never flags a finite edge value."""
+    import torch
+    dt = p.DTYPES[dtype]
+    bad_values, edge_values = SPECIALS[dtype]
+    rng = np.random.default_rng(width)
+    rows = max(3, (r._CHECK_CHUNK_BYTES // (width * dt.itemsize)) * 2 + 3)   # > two slabs
+    rows = min(rows, 600)
+    hidden = torch.from_numpy(rng.standard_normal((rows, width)).astype(np.float32)).to(dt)
+    flat = hidden.view(-1)
+    edges = torch.tensor(edge_values, dtype=torch.float32).to(dt)
+    for i in rng.choice(rows, size=min(rows, 40), replace=False):
+        flat[int(i) * width + int(rng.integers(width))] = edges[int(rng.integers(len(edges)))]
+    nan_payload = torch.tensor([-float("nan")], dtype=torch.float32).to(dt)       # sign bit set
+    for j, i in enumerate(rng.choice(rows, size=min(rows - 1, 25), replace=False)):
+        value = nan_payload[0] if j % 4 == 3 else torch.tensor(bad_values[j % 3]).to(dt)
+        flat[int(i) * width + int(rng.integers(width))] = value
+    expected = (~torch.isfinite(hidden).all(dim=1)).numpy()
+    assert 0 < expected.sum() < rows
+    offsets = np.array([0, 1, rows // 2, rows], dtype=np.int64)
+    got = r.bad_rows(hidden, offsets)
+    want = [int(expected[a:b].sum()) for a, b in zip(offsets[:-1], offsets[1:])]
+    assert got.tolist() == want
+    finite = hidden.clone()
+    finite[torch.from_numpy(expected)] = 0
+    assert r.bad_rows(finite, offsets).tolist() == [0, 0, 0]
