@@ -63,12 +63,13 @@ def test_pool_accounting_follows_rows_and_returns_every_block():
 
 @settings(max_examples=300, deadline=None)
 @given(tokens=st.lists(st.integers(0, 4), min_size=1, max_size=40), anchor=st.integers(0, 4),
-       cut=st.integers(0, 40), k=st.integers(1, 6), min_n=st.integers(1, 2), extra=st.integers(0, 2))
-def test_indexed_engine_equals_reference_after_appends_rewind_and_fork(tokens, anchor, cut, k, min_n, extra):
+       cut=st.integers(0, 40), k=st.integers(1, 6), min_n=st.integers(1, 2), extra=st.integers(0, 2),
+       chunk=st.sampled_from([1, 2, 7, 40]))
+def test_indexed_engine_equals_reference_after_appends_rewind_and_fork(tokens, anchor, cut, k, min_n, extra, chunk):
     engine = NgramEngine(min_n=min_n, max_n=min_n + extra, block_size=4, budget_bytes=1 << 20)
     state = engine.new_state()
-    for lo in range(0, len(tokens), 7):            # rows arrive in chunks
-        ingest(engine, state, lo, tokens[lo:lo + 7])
+    for lo in range(0, len(tokens), chunk):        # rows arrive in chunks (1: decode steps)
+        ingest(engine, state, lo, tokens[lo:lo + chunk])
     want = lookup([*tokens, anchor], k, min_n, min_n + extra)
     assert propose(engine, [state], [anchor], k)[0, :len(want)].tolist() == want
     cut = min(cut, len(tokens))

@@ -10,6 +10,8 @@ failures of the requests they name.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from k3_accel import protocol as p
@@ -43,7 +45,7 @@ class Outbox:
         row_bytes = 8 + width * self.settings.hidden_dtype.itemsize
         return max(1, (self.link.caps.max_message_bytes - _HEADER_ROOM) // row_bytes)
 
-    def _row_message(self, slot: Slot, group: np.ndarray, part: layout.Part, inp: StepInput,
+    def _row_message(self, slot: Slot, group: np.ndarray, part: layout.Part, req_ids: Sequence[str],
                      handles: np.ndarray, anchor_tokens: np.ndarray | None = None, k: int = 0):
         """(message, frames, ids) of one part of a group."""
         reqs = group[part.index] if len(part.index) != len(group) else group
@@ -53,7 +55,7 @@ class Outbox:
             meta[:, 3] = anchor_tokens[reqs]
         rows = part.hi - part.lo
         frames = [meta.data, slot.token_ids.numpy()[part.lo:part.hi].data]
-        ids = [inp.req_ids[i] for i in reqs.tolist()]
+        ids = [req_ids[i] for i in reqs.tolist()]
         if self.ships_hidden and rows > 0:
             frames.append(p.tensor_frame(slot.hidden[part.lo:part.hi]))
             kw = {"hidden": p.dtype_name(self.settings.hidden_dtype), "width": self.settings.context_width}
@@ -65,13 +67,13 @@ class Outbox:
         return p.Propose(k, len(reqs), rows, logits=s.logits, topk=s.topk if s.logits == "topk" else 0,
                          **kw), frames, ids
 
-    def _messages(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, handles: np.ndarray,
-                  anchor_tokens: np.ndarray | None):
+    def _messages(self, req_ids: Sequence[str], k: int, plan: layout.RowPlan, slot: Slot,
+                  handles: np.ndarray, anchor_tokens: np.ndarray | None):
         """Every message of the step in send order; the last is the propose when there is one."""
         max_rows = self._max_rows()
         out = []
         if plan.ingest.size:
-            out = [self._row_message(slot, plan.ingest, part, inp, handles)
+            out = [self._row_message(slot, plan.ingest, part, req_ids, handles)
                    for part in layout.split(plan.starts[plan.ingest], plan.counts[plan.ingest], 0, max_rows)]
         if plan.propose.size:
             starts, counts, base = plan.starts[plan.propose], plan.counts[plan.propose], plan.ingest_rows
@@ -79,40 +81,56 @@ class Outbox:
                 last = layout.Part(plan.propose, starts, counts, base, plan.total_rows)
             else:
                 parts = layout.split(starts, counts, base, max_rows)
-                out += [self._row_message(slot, plan.propose, part, inp, handles) for part in parts[:-1]]
+                out += [self._row_message(slot, plan.propose, part, req_ids, handles) for part in parts[:-1]]
                 last = layout.tail(starts, counts, base, parts[-1].lo)
-            out.append(self._row_message(slot, plan.propose, last, inp, handles, anchor_tokens, inp.k))
-        if len(out) > 1 + bool(plan.propose.size and plan.ingest.size):
-            self.telemetry.count("split_messages", len(out))
+            out.append(self._row_message(slot, plan.propose, last, req_ids, handles, anchor_tokens, k))
         return out
+
+    @staticmethod
+    def _split(messages: list, plan: layout.RowPlan) -> int:
+        """Messages of a step that was cut to fit the server's message limit (0: not cut)."""
+        return len(messages) if len(messages) > 1 + bool(plan.propose.size and plan.ingest.size) else 0
 
     def post_step(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, handles: np.ndarray,
                    anchor_tokens: np.ndarray) -> Pending | None:
         pending = None
-        for msg, frames, ids in self._messages(inp, plan, slot, handles, anchor_tokens):
+        messages = self._messages(inp.req_ids, inp.k, plan, slot, handles, anchor_tokens)
+        if split := self._split(messages, plan):
+            self.telemetry.count("split_messages", split)
+        for msg, frames, ids in messages:
             pending = self._post_slot(slot, msg, frames, ids)
             self.telemetry.count("sync_proposals" if type(msg) is p.Propose else "ingest_messages")
         return pending if plan.propose.size else None
 
-    def defer(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, event, handles: np.ndarray) -> None:
-        """Hand the step's messages to the sender thread; they leave once the copy is done."""
-        messages = self._messages(inp, plan, slot, handles, None)
-        ids = [rid for _, _, part_ids in messages for rid in part_ids]
+    def defer(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, ready, handles: np.ndarray) -> None:
+        """Hand the step's rows to the sender thread: it waits for them to reach the slot
+        (``ready``), cuts them into messages and sends; the step thread only queues the job."""
+        req_ids = list(inp.req_ids)               # the adapter may reuse its list after the step
         self.ring.hold(slot)                       # until every message holds it on its own
+        started = False
 
         def build() -> None:
+            nonlocal started
+            started = True
             try:
+                messages = self._messages(req_ids, 0, plan, slot, handles, None)
+                if split := self._split(messages, plan):
+                    self.telemetry.count_async("split_messages", split)
                 for msg, frames, part_ids in messages:
                     self._post_slot(slot, msg, frames, part_ids)
+                    self.telemetry.count_async("ingest_messages")
             finally:
                 self.ring.release(slot)
 
         def failed(exc: Exception) -> None:
-            self.book.failures.push(FailureKind.SENDER, ids, f"deferred ingest: {exc}")
+            if not started:                        # the copy never completed: nothing was sent
+                self.ring.retire(slot)
+                self.ring.release(slot)
+            self.book.failures.push(FailureKind.SENDER, [req_ids[i] for i in plan.order.tolist()],
+                                    f"deferred ingest: {exc}")
 
-        self.sender.submit(SendJob(build, event, failed))
+        self.sender.submit(SendJob(build, ready, failed))
         self.telemetry.count("deferred_ingests")
-        self.telemetry.count("ingest_messages", len(messages))
 
     def _post_slot(self, slot: Slot, msg, frames: list, ids: list[str]) -> Pending:
         """Send frames that view ``slot``; the slot stays held until the reply."""
