@@ -99,6 +99,29 @@ def test_the_sender_thread_failing_fails_closed_like_a_socket(server, client_fac
     assert drafts_again(client)                                             # and it recovers
 
 
+def test_a_deferred_copy_that_fails_frees_its_slot(server, client_factory, monkeypatch):
+    """The device->pinned copy of a deferred chunk fails on the sender thread (a CUDA error there;
+    planted, as this machine may have no CUDA): its requests fail closed, nothing is sent from
+    the slot, and the slot is free again (fresh memory) instead of blocking the ring for good."""
+    from k3_accel.transport import layout
+    client = client_factory(server.address, ring_depth=1, timeout_ms=2000)
+
+    class FailingCopy:
+        def synchronize(self):
+            raise RuntimeError("planted copy failure")
+    stage = layout.stage
+    monkeypatch.setattr(layout, "stage", lambda *a, **kw: (stage(*a, **kw), FailingCopy())[1])
+    assert client.step(rows(["a"], [(0, [1, 2, 3])], sampled=[False])).deferred
+    client.sender.wait_idle(10)
+    monkeypatch.undo()
+    slot = client.ring.slots[0]
+    assert slot.holds == 0 and slot.retired
+    assert drafts_again(client)                                             # through that same slot
+    counters = client.stats()["counters"]
+    assert counters["failures.sender"] == 1 and client.is_disabled("a")
+    assert "failures.ring_timeout" not in counters and slot.generation == 1
+
+
 @pytest.mark.parametrize("heartbeat_ms", [200])
 def test_an_idle_client_keeps_its_session_alive_with_heartbeats(client_factory, heartbeat_ms):
     from helpers.server import ServerProcess
