@@ -10,7 +10,6 @@ plain memcpy on the calling thread.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,13 +63,9 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
 
 def stage(slot, index: np.ndarray | None, total: int, token_ids: torch.Tensor,
           hidden: torch.Tensor | None, private: bool):
-    """Copy the rows into ``slot``; returns something whose ``synchronize()`` returns once they
-    are there (a CUDA event, a :class:`DeferredCopy`; None: already there).
-
-    ``private``: the step returns before the copy is done. The rows are gathered into the
-    slot's own device buffers on the compute stream (nothing else writes those), and that is
-    all this thread launches: the device->pinned copy is launched by whoever first waits for
-    the returned :class:`DeferredCopy` (the sender thread)."""
+    """Copy the rows into ``slot``; returns a CUDA event that completes when they are there
+    (None: already there). ``private``: the step returns before the copy is done, so the
+    rows are first gathered into a buffer that nothing else writes."""
     if total == 0:
         return None
     sources = {"token_ids": token_ids, "hidden": hidden} if hidden is not None else {"token_ids": token_ids}
@@ -83,7 +78,7 @@ def stage(slot, index: np.ndarray | None, total: int, token_ids: torch.Tensor,
     dev = next(iter(on_gpu.values())).device
     compute, side = torch.cuda.current_stream(dev), _side_stream(dev)
     idx = torch.from_numpy(index).to(dev, non_blocking=True) if index is not None else None
-    copies = []                               # (pinned slot rows, device rows)
+    srcs = []
     for name, src in on_gpu.items():
         if private:                      # gather into the slot's own device buffer (no allocation)
             buf = slot.device_buffer(name, src)[:total]
@@ -91,43 +86,16 @@ def stage(slot, index: np.ndarray | None, total: int, token_ids: torch.Tensor,
             src = buf
         elif idx is not None:
             src = src.index_select(0, idx)
-        copies.append((getattr(slot, name)[:total], src))
-    if private:
-        gathered = torch.cuda.Event()
-        gathered.record(compute)
-        return DeferredCopy(copies, gathered, side)
+        srcs.append((name, src))
     side.wait_stream(compute)
     with torch.cuda.stream(side):
-        for dst, src in copies:
-            dst.copy_(src, non_blocking=True)
-            src.record_stream(side)
+        for name, src in srcs:
+            getattr(slot, name)[:total].copy_(src, non_blocking=True)
+            if not private:
+                src.record_stream(side)
         done = torch.cuda.Event()
         done.record(side)
     return done
-
-
-class DeferredCopy:
-    """Rows gathered into private device buffers (``gathered`` marks it on the compute stream)
-    that still have to reach the pinned slot. The first :meth:`synchronize` launches the copies
-    on the side stream after ``gathered`` and waits for them; later calls (another thread
-    reading the same slot, e.g. capture) only wait."""
-
-    def __init__(self, copies: list, gathered: "torch.cuda.Event", side: "torch.cuda.Stream"):
-        self._copies, self._gathered, self._side = copies, gathered, side
-        self._lock = threading.Lock()
-        self._done: "torch.cuda.Event | None" = None
-
-    def synchronize(self) -> None:
-        with self._lock:
-            if self._done is None:
-                self._side.wait_event(self._gathered)
-                with torch.cuda.stream(self._side):
-                    for dst, src in self._copies:
-                        dst.copy_(src, non_blocking=True)
-                    self._done = torch.cuda.Event()
-                    self._done.record(self._side)
-                self._copies = []
-        self._done.synchronize()
 
 
 def _copy_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:

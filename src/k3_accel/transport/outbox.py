@@ -103,8 +103,8 @@ class Outbox:
         return pending if plan.propose.size else None
 
     def defer(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, ready, handles: np.ndarray) -> None:
-        """Hand the step's rows to the sender thread: it waits for them to reach the slot
-        (``ready``), cuts them into messages and sends; the step thread only queues the job."""
+        """Hand the step's rows to the sender thread: once ``ready`` (the copy's event) has
+        completed it cuts them into messages and sends them; the step thread only queues the job."""
         req_ids = list(inp.req_ids)               # the adapter may reuse its list after the step
         self.ring.hold(slot)                       # until every message holds it on its own
         started = False
