@@ -13,6 +13,7 @@ from pathlib import Path
 from .ports import free_port
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
+BIND_ATTEMPTS = 3
 
 
 def src_env(**extra: str) -> dict[str, str]:
@@ -38,7 +39,16 @@ class ServerProcess:
         self.capture = capture
         self.proc: subprocess.Popen | None = None
         self.quiet = quiet
-        self.start(ready)
+        for attempt in range(BIND_ATTEMPTS):
+            try:
+                self.start(ready)
+                return
+            except RuntimeError:
+                # a port free when picked can be taken by another process before the server binds
+                # it (the suite starts many servers): new ports, unless the caller chose one
+                if port is not None or attempt == BIND_ATTEMPTS - 1:
+                    raise
+                self.port, self.http_port = free_port(), free_port()
 
     @property
     def address(self) -> str:
