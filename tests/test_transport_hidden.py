@@ -178,24 +178,23 @@ def test_cuda_inputs_are_staged_through_pinned_memory(dflash, client_factory):
 
 @pytest.mark.gpu
 def test_cuda_deferred_chunks_survive_the_target_overwriting_its_buffers(dflash, client_factory, reference):
-    """Deferred chunks from CUDA tensors that the 'next forward' overwrites (queued behind more
-    work on the compute stream, so the copy cannot have finished) as soon as the step returns:
-    the server must still get the rows as they were (else NaN rows disable the request, or the
-    drafts follow the wrong tokens)."""
+    """Deferred chunks from CUDA tensors that the 'next forward' overwrites as soon as the step
+    returns, while the chunk's copy is still pending (the compute stream is held up by a GPU spin
+    queued before the step): the server must still get the rows as they were (else NaN rows
+    disable the request, or the drafts follow the wrong tokens)."""
     tokens, hidden = context(97, seed=5)
     dev = torch.device("cuda")
     client = make(client_factory, dflash, ring_depth=2)
     src_tok = torch.empty(40, dtype=torch.int64, device=dev)
     src_hid = torch.empty(40, WIDTH, dtype=torch.bfloat16, device=dev)
-    busy = torch.randn(2048, 2048, device=dev)
     for lo in (0, 40):
         src_tok.copy_(tokens[lo:lo + 40])
         src_hid.copy_(hidden[lo:lo + 40])
+        torch.cuda._sleep(1_000_000_000)                             # ~0.5 s of GPU spin, queued first
         assert client.step(StepInput(["x"], [40], torch.arange(lo, lo + 40, device=dev), src_tok, [False],
                                      [int(tokens[lo + 40])], [lo + 40], k=K, hidden=src_hid)).deferred
-        for _ in range(8):
-            busy = busy @ busy / 2048                                # the next forward, queued first
-        src_tok.fill_(VOCAB - 1)
+        assert not torch.cuda.current_stream().query()               # the rows are not copied yet
+        src_tok.fill_(VOCAB - 1)                                     # the next forward writes them
         src_hid.fill_(float("nan"))
     got = client.step(step("x", 80, 96, tokens, hidden)).drafts
     assert not {n: v for n, v in client.stats()["counters"].items() if n.startswith("failures.")}
