@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers.server import SRC
-from helpers.v2_sim import Sim
+from helpers.v2_sim import Sim, client_stats, server_stats
 
 pytestmark = pytest.mark.vllm
 spec_decode = pytest.importorskip("vllm.v1.worker.gpu.spec_decode")
@@ -97,9 +97,8 @@ def test_dflash_with_an_address_gets_the_remote_speculator(vllm_config, tp_group
         assert spec.num_speculative_steps == 4 and tuple(spec.drafts.shape) == (4, 4)
         spec.init_cudagraph_manager(None)
         spec.capture()
-        client = spec.core.session.client
-        assert client is not None and client.stats()["state"] == "ready"
-        ops = client.server_stats()["ops"]
+        assert spec.core.session.client is not None and client_stats(spec)["state"] == "ready"
+        ops = server_stats(spec)["ops"]
         assert ops.get("hello") == 1 and not ops.get("ingest") and not ops.get("propose")
     finally:
         spec.close()
@@ -215,7 +214,7 @@ def test_v2_other_methods_stay_local(method, vllm_config, tp_group, ngram_server
     if method in ("dflash", "ngram"):
         try:
             assert type(spec).__name__ == "RemoteSpeculatorV2" and ignored == []
-            assert spec.core.session.client.stats()["state"] == "ready"
+            assert client_stats(spec)["state"] == "ready"
         finally:
             spec.close()
         return

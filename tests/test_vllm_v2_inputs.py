@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.v2_sim import AUX_LAYERS, HIDDEN, K, Sched, Sim
-from k3_accel.vllm.spec_decode import v2
+from helpers.v2_sim import AUX_LAYERS, HIDDEN, K, MAX_TOKENS, Sched, Sim
+from k3_accel.vllm.spec_decode import v2, v2_launch
 
 pytestmark = pytest.mark.vllm
 
@@ -18,13 +18,23 @@ def sim():
     return Sim()
 
 
-def _build(sim: Sim, sched, keep=None, k=K, **kw):
+def _build(sim: Sim, sched, keep=None, k=K, history=None):
+    """``launch`` + ``step_input``, as the driver's step thread and draft thread run them."""
     ib, aux, num_sampled, num_rejected = sim.batch(sched)
-    rows = v2.batch_rows(ib, num_sampled, num_rejected)
     keep = np.arange(len(sched)) if keep is None else np.asarray(keep)
     rs = sim.req_states
-    return v2.build_step_input(ib, aux, rows, keep, rs.last_sampled_tokens, rs.next_prefill_tokens,
-                               k, **kw), rows
+    rows = v2_launch.DeviceRows(MAX_TOKENS, HIDDEN * len(AUX_LAYERS), torch.bfloat16, sim.max_num_reqs,
+                                torch.device("cpu"))
+    slots = v2_launch.LaunchSlots(2, MAX_TOKENS, HIDDEN * len(AUX_LAYERS), torch.bfloat16, sim.max_num_reqs,
+                                  pin=False)
+    step = v2_launch.launch(rows, slots, ib, aux, num_sampled, num_rejected, rs.last_sampled_tokens,
+                            rs.next_prefill_tokens, keep, k, v2.history_rows(ib, keep, history or ()),
+                            rs.all_token_ids.gpu, 1.0)
+    step.wait_ready()
+    try:
+        return step.step_input()
+    finally:
+        step.release()
 
 
 def test_valid_rows_anchors_and_hidden_follow_vllms_dflash_rule(sim):
@@ -38,9 +48,9 @@ def test_valid_rows_anchors_and_hidden_follow_vllms_dflash_rule(sim):
         Sched("pre", 0, list(range(30, 38)), next_prompt=38),
         Sched("new", 0, [5, 6, 7], sampled=8),
     ]
-    inp, rows = _build(sim, sched)
+    inp = _build(sim, sched)
     assert inp.req_ids == ["dec", "pre", "new"]
-    assert inp.counts == [2, 8, 3] and rows.valid.tolist() == [2, 8, 3]
+    assert inp.counts == [2, 8, 3]
     assert inp.sampled == [True, False, True]
     assert inp.positions.tolist() == [10, 11, *range(0, 8), 0, 1, 2]
     assert inp.token_ids.tolist() == [19, 100, *range(30, 38), 5, 6, 7]
@@ -54,38 +64,31 @@ def test_valid_rows_anchors_and_hidden_follow_vllms_dflash_rule(sim):
     assert inp.k == K and inp.prompt_token_ids is None
 
 
-def test_dropped_requests_and_prefix_cache_prompts(sim):
+def test_skipped_requests_and_history_of_prefix_cache_hits(sim):
     sim.add("a", [1, 2, 3, 4])
     sim.add("b", [9, 8, 7, 6, 5, 4], num_computed=4)    # prefix-cache hit: rows start at 4
     sim.add("c", [3, 3, 3])
     sched = [Sched("a", 0, [1, 2, 3, 4], sampled=5), Sched("b", 4, [5, 4], sampled=1),
              Sched("c", 0, [3, 3, 3], sampled=3)]
-    asked = []
-
-    def prompt_of(i):
-        asked.append(i)
-        slot = int(sim.last_batch.idx_mapping_np[i])
-        return sim.req_states.all_token_ids.gpu[slot, :6].long()
-
-    inp, _ = _build(sim, sched, keep=[1, 2], prompt_of=prompt_of, fresh=["b", "c"])
+    inp = _build(sim, sched, keep=[1, 2], history=["b", "c"])
     assert inp.req_ids == ["b", "c"] and inp.counts == [2, 3]
     assert inp.positions.tolist() == [4, 5, 0, 1, 2] and inp.token_ids.tolist() == [5, 4, 3, 3, 3]
     assert inp.anchor_positions.tolist() == [6, 3]
-    assert asked == [1] and inp.prompt_token_ids["b"].tolist() == [9, 8, 7, 6, 5, 4]
-    inp, _ = _build(sim, sched, keep=[1], prompt_of=prompt_of, fresh=["c"])
-    assert inp.prompt_token_ids is None                  # only asked for requests seen the first time
+    # the tokens before its first row; c starts at 0 and needs none
+    assert list(inp.prompt_token_ids) == ["b"] and inp.prompt_token_ids["b"].tolist() == [9, 8, 7, 6]
+    inp = _build(sim, sched, keep=[1], history=["c"])
+    assert inp.prompt_token_ids is None                  # only for requests the transport asked about
 
 
-def test_contiguous_batch_is_not_gathered(sim):
+def test_a_skipped_request_in_the_middle_leaves_no_row(sim):
     sim.add("x", [1, 2, 3])
     sim.add("y", [4, 5])
-    ib, aux, ns, nr = sim.batch([Sched("x", 0, [1, 2, 3], sampled=4), Sched("y", 0, [4, 5], sampled=6)])
-    rows = v2.batch_rows(ib, ns, nr)
-    assert rows.row_index(np.arange(2)) == slice(0, 5)
-    assert rows.row_index(np.array([1])) == slice(3, 5)          # one request: one run
-    ib, aux, ns, nr = sim.batch([Sched("x", 3, [4, 9, 9], sampled=1, rejected=2, drafts=2),
-                                 Sched("y", 2, [6], sampled=7)])
-    assert v2.batch_rows(ib, ns, nr).row_index(np.arange(2)).tolist() == [0, 3]   # rejected rows left out
+    sim.add("z", [6, 7, 8, 9])
+    sched = [Sched("x", 3, [4, 9, 9], sampled=1, rejected=2, drafts=2), Sched("y", 0, [4, 5], sampled=6),
+             Sched("z", 0, [6, 7, 8, 9], sampled=2)]
+    inp = _build(sim, sched, keep=[0, 2])
+    assert inp.req_ids == ["x", "z"] and inp.counts == [1, 4]
+    assert inp.token_ids.tolist() == [4, 6, 7, 8, 9] and inp.positions.tolist() == [3, 0, 1, 2, 3]
 
 
 def test_max_tokens_one_is_found_from_request_state(sim):
@@ -98,6 +101,5 @@ def test_max_tokens_one_is_found_from_request_state(sim):
 
 def test_a_block_with_no_valid_row_is_an_error(sim):
     sim.add("z", [1, 2])
-    ib, aux, ns, nr = sim.batch([Sched("z", 0, [1, 2], sampled=3, rejected=2, drafts=2)])
     with pytest.raises(ValueError, match="no valid context row"):
-        v2.batch_rows(ib, ns, nr)
+        _build(sim, [Sched("z", 0, [1, 2], sampled=3, rejected=2, drafts=2)])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.v2_sim import K, Sched, Sim, expected, expected_v2, filled
+from helpers.v2_sim import K, Sched, Sim, client_stats, expected, expected_v2, filled, server_stats
 
 pytestmark = pytest.mark.vllm
 spec_decode = pytest.importorskip("vllm.v1.worker.gpu.spec_decode")
@@ -36,14 +36,8 @@ def speculator(vllm_config, tp_group, ngram_server, sim, monkeypatch):
     spec.close()
 
 
-def server_stats(spec) -> dict:
-    client = spec.core.session.client
-    client.flush()                      # replies to deferred ingests
-    return client.server_stats()
-
-
 def counters(spec) -> dict:
-    return spec.core.session.client.stats()["counters"]
+    return client_stats(spec)["counters"]
 
 
 def rows(drafts: torch.Tensor) -> list[list[int]]:
@@ -203,10 +197,11 @@ def test_prefix_cache_hit_gets_its_prompt_from_request_state(speculator, sim):
 # ---------------------------------------------------------- fail closed
 def test_a_bad_step_input_fails_closed(speculator, sim):
     sim.add("w", [1, 2, 3, 1, 2])
-    sim.hidden_dtype = torch.float32                 # the target would ship bf16; the transport refuses
+    sim.hidden_dtype = torch.float32                 # the target would ship bf16: refused at launch
     d = sim.propose(speculator, [Sched("w", 0, [1, 2, 3, 1, 2], sampled=3)])
     assert rows(d) == [[3] * K]                                        # no draft
-    assert speculator.stats()["adapter"]["failures.step"] == 1    # the transport's StepInputError, caught
+    assert speculator.stats()["adapter"]["failures.step_input"] == 1
+    assert not server_stats(speculator)["ops"].get("propose")
 
 
 def test_a_dead_server_fails_closed(speculator, sim, ngram_server):

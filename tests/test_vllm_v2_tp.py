@@ -26,7 +26,7 @@ def _rank(rank: int, world: int, config_bytes: bytes) -> tuple:
     import torch
     import vllm.v1.worker.gpu.spec_decode as spec_decode
 
-    from helpers.v2_sim import Sched, Sim, vllm_world
+    from helpers.v2_sim import Sched, Sim, server_stats, vllm_world
     from k3_accel.vllm.spec_decode import hooks
 
     config = pickle.loads(config_bytes)
@@ -49,8 +49,7 @@ def _rank(rank: int, world: int, config_bytes: bytes) -> tuple:
                                   Sched("p", 24, [5], sampled=6)]).tolist()]
         stats = None
         if connected:
-            spec.core.session.client.flush()
-            stats = spec.core.session.client.server_stats()
+            stats = server_stats(spec)
         result = (group.rank_in_group, group.world_size, connected, out, stats)
         spec.close()
     return result

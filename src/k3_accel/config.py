@@ -76,7 +76,8 @@ class K3Config:
     """Typed plugin settings (see README "Configuration")."""
 
     draft_address: str | None = None          # no address: vLLM behaves as stock
-    draft_timeout_ms: int = 30000
+    draft_timeout_ms: int = 30000             # hello, ingests, frees: generous
+    draft_propose_timeout_ms: int = 50        # a propose's reply: step-sized (the GPU waits for it)
     ingest_ring_depth: int = 2                # pinned staging slots; 0 = every ingest waits for its reply
     capture_dir: str | None = None
     timing_log_interval: int = 0              # 0 = no periodic timing log
@@ -105,6 +106,7 @@ class _Setting:
 _SETTINGS = (
     _Setting("draft_address", "VLLM_K3_DRAFT_REMOTE_ADDRESS", _address),
     _Setting("draft_timeout_ms", "VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS", _positive_int),
+    _Setting("draft_propose_timeout_ms", "VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS", _positive_int),
     _Setting("ingest_ring_depth", "VLLM_K3_DRAFT_ASYNC_PREFILL_INGEST",
              lambda key: _positive_int(key, allow_zero=True)),
     _Setting("capture_dir", "VLLM_K3_DRAFT_CAPTURE_DIR", _optional_str),

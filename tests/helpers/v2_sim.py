@@ -43,6 +43,23 @@ MAX_MODEL_LEN = 256
 VOCAB = 512
 
 
+def server_stats(spec) -> dict:
+    """The draft server's stats once everything the speculator handed its draft thread is there."""
+    spec.flush()
+    return spec.core.session.pipeline.call(lambda c: c.server_stats())
+
+
+def client_stats(spec, ready: bool = True) -> dict:
+    """The transport's stats (read on the draft thread); with ``ready``, once the hello is done."""
+    import time
+    deadline = time.monotonic() + 30
+    while True:
+        stats = spec.core.session.stats()
+        if not ready or stats["state"] == "ready" or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
 def expected(history: Sequence[int], anchor: int, k: int = K) -> list[int]:
     """What the ngram draft server proposes: prompt lookup over history + anchor, -1 padded."""
     found = lookup([*history, anchor], k)
@@ -200,7 +217,8 @@ class Sim:
             idx_mapping_np=slots.astype(np.intp), num_scheduled_tokens=counts,
             query_start_loc=torch.from_numpy(qsl.copy()), query_start_loc_np=qsl,
             input_ids=input_ids, positions=positions,
-            num_computed_tokens_np=np.array([s.start for s in sched], dtype=np.int32))
+            num_computed_tokens_np=np.array([s.start for s in sched], dtype=np.int32),
+            **self._prefill_fields(sched, slots, counts))
         num_sampled = torch.tensor([s.num_sampled for s in sched], dtype=torch.int32)
         num_rejected = torch.tensor([s.rejected for s in sched], dtype=torch.int32)
         for s, slot in zip(sched, slots):
@@ -214,6 +232,16 @@ class Sim:
                           for j in range(len(AUX_LAYERS))]
         self.last_batch, self.last_aux = ib, aux_states
         return ib, aux_states, num_sampled, num_rejected
+
+    def _prefill_fields(self, sched: Sequence[Sched], slots: np.ndarray, counts: np.ndarray) -> dict:
+        """The host-side prefill state vLLM's input prep sets (a step samples once its prefill ends)."""
+        prefill = self.req_states.prefill_len.np[slots].astype(np.int32)
+        done = np.minimum(np.array([s.start for s in sched], dtype=np.int32), prefill)
+        fields = {"prefill_len_np": prefill, "num_computed_prefill_tokens_np": done,
+                  "is_prefilling_np": done < prefill}
+        from vllm.v1.worker.gpu.input_batch import InputBatch
+        names = {f.name for f in dataclasses.fields(InputBatch)}
+        return {k: v for k, v in fields.items() if k in names}
 
     def propose(self, speculator, sched: Sequence[Sched], k: int | None = None, aux: bool = True,
                 **kw) -> torch.Tensor:

@@ -22,6 +22,7 @@ class ClientSettings:
     """Everything the transport needs; :meth:`from_config` fills it from :class:`K3Config`."""
     address: str                              # tcp://HOST:PORT or ipc://PATH
     timeout_ms: int = 30000                   # per message (VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS)
+    propose_timeout_ms: int = 50              # a propose's reply: past it the step has no drafts
     ring_depth: int = 2                       # staging slots; 0 = no deferral (one slot, synchronous)
     max_rows: int = 8192                      # most context rows in one step (max batched tokens)
     context_width: int = 0                    # aux layers x hidden size shipped per row (0 = none)
@@ -49,7 +50,7 @@ class ClientSettings:
             check_address(self.address)
         except ConfigError as exc:
             raise SettingsError(str(exc)) from None
-        for name, low in (("timeout_ms", 1), ("ring_depth", 0), ("max_rows", 1), ("context_width", 0),
+        for name, low in (("timeout_ms", 1), ("propose_timeout_ms", 1), ("ring_depth", 0), ("max_rows", 1), ("context_width", 0),
                           ("num_speculative_tokens", 0), ("topk", 0), ("timing_log_interval", 0),
                           ("backoff_initial_ms", 1), ("backoff_max_ms", 1), ("heartbeat_ms", 1),
                           ("zero_copy_min_bytes", 0), ("target_vocab_size", 0), ("hidden_size", 0),
@@ -74,12 +75,17 @@ class ClientSettings:
     def timeout_s(self) -> float:
         return self.timeout_ms / 1000.0
 
+    @property
+    def propose_timeout_s(self) -> float:
+        return min(self.propose_timeout_ms, self.timeout_ms) / 1000.0
+
     @classmethod
     def from_config(cls, config: Any, **target: Any) -> "ClientSettings":
         """Settings from a ``K3Config`` plus target facts (max_rows, context_width, ...)."""
         if not getattr(config, "draft_address", None):
             raise SettingsError("no draft server address (VLLM_K3_DRAFT_REMOTE_ADDRESS)")
         return cls(address=config.draft_address, timeout_ms=config.draft_timeout_ms,
+                   propose_timeout_ms=config.draft_propose_timeout_ms,
                    ring_depth=config.ingest_ring_depth, capture_dir=config.capture_dir,
                    timing_log_interval=config.timing_log_interval,
                    curve_server_key=config.curve_server_key, curve_client_key=config.curve_client_key,

@@ -5,7 +5,9 @@ session); the server keys state by handle. The book admits at most the
 server's per-session request limit at once: a request beyond it is simply
 not drafted (counted, logged once), never an error storm. Failures queued by
 any thread disable their requests at the next :meth:`RequestBook.apply`;
-a disabled request gets no drafts until it leaves the batch. Frees that
+a request disabled by a request-level failure gets no drafts until it leaves
+the batch; one disabled because the link was down drafts again once it is back
+(:meth:`RequestBook.rearm`). Frees that
 could not be sent are kept, without a cap, and sent once the connection is
 back (and dropped when the server's state is gone anyway).
 """
@@ -26,6 +28,11 @@ _QUIET = (FailureKind.REQUEST, FailureKind.COLD_START, FailureKind.RECONNECT, Fa
           FailureKind.NOT_CONNECTED, FailureKind.CAPACITY, FailureKind.OUT_OF_VOCAB)
 
 
+# failures of the link, not of a request's context: such requests draft again once it is back
+_LINK_FAILURES = (FailureKind.TRANSPORT, FailureKind.NOT_CONNECTED, FailureKind.SERVER_RESTART,
+                  FailureKind.RING_TIMEOUT, FailureKind.SENDER)
+
+
 @dataclass(eq=False, slots=True)
 class Record:
     handle: int
@@ -33,6 +40,8 @@ class Record:
     disabled: str | None = None      # why it gets no drafts (until it leaves the batch)
     sent: bool = False               # rows of it went out at least once
     epoch: int = 0                   # the book's epoch when it was created
+    kind: FailureKind | None = None  # the failure that disabled it
+    resync: bool = False             # drafting again: its next rows must bring its token history
     born: float = field(default_factory=time.monotonic)
 
 
@@ -47,6 +56,7 @@ class RequestBook:
         self._active = 0                     # admitted records (not disabled for capacity)
         self._unsent_frees: list[tuple[list[int], bool]] = []
         self._logged_capacity = False
+        self.history_wanted: frozenset[str] = frozenset()   # read by other threads: replaced, never mutated
 
     # -------------------------------------------------------------- lookups
     def resolve(self, req_ids: Sequence[str]) -> list[Record]:
@@ -127,13 +137,35 @@ class RequestBook:
             targets = [(i, self.records[i]) for i in failure.ids if i in self.records]
         newly = [(rid, rec) for rid, rec in targets if rec.disabled is None]
         for _, rec in newly:
-            rec.disabled = f"{failure.kind.value}: {failure.detail}"
+            rec.disabled, rec.kind = f"{failure.kind.value}: {failure.detail}", failure.kind
         self.telemetry.count("disabled_requests", len(newly))
         if newly:
             level = logging.INFO if failure.kind in _QUIET else logging.WARNING
             names = ", ".join(rid for rid, _ in newly[:4]) + ("..." if len(newly) > 4 else "")
             log.log(level, "k3 draft: %s failure disables %d request(s) (%s): %s", failure.kind.value,
                     len(newly), names, failure.detail)
+
+    def rearm(self) -> int:
+        """The link is back: requests disabled only because the link was down draft again,
+        attached anew from their token history at their next rows (the server rebuilds what it
+        can, or reuses what it still holds). Returns how many."""
+        n = 0
+        for rec in self.records.values():
+            if rec.kind in _LINK_FAILURES:
+                rec.disabled, rec.kind, rec.sent, rec.length, rec.resync = None, None, False, 0, True
+                rec.epoch = self.epoch
+                n += 1
+        if n:
+            self.telemetry.count("rearmed_requests", n)
+            log.info("k3 draft: the draft server is back; %d request(s) draft again", n)
+        self.history_wanted = frozenset(rid for rid, rec in self.records.items() if rec.resync)
+        return n
+
+    def attached(self, rec: Record) -> None:
+        """``rec`` got its history (or sits out for good): stop asking for it."""
+        if rec.resync:
+            rec.resync = False
+            self.history_wanted = frozenset(rid for rid, r in self.records.items() if r.resync)
 
     def stats(self) -> dict:
         return {"tracked": len(self.records), "admitted": self._active,

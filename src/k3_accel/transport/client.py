@@ -33,7 +33,7 @@ from k3_accel.transport import layout
 from k3_accel.transport.api import ClientSettings, StepInput, StepOutput
 from k3_accel.transport.book import Record, RequestBook
 from k3_accel.transport.capture import CaptureJob, CaptureWriter
-from k3_accel.transport.connection import Pending
+from k3_accel.transport.connection import Pending, ReplyLate
 from k3_accel.transport.failures import FailureKind, RingTimeout, StepInputError, TransportError
 from k3_accel.transport.link import Link, State
 from k3_accel.transport.outbox import Outbox
@@ -76,9 +76,10 @@ class DraftClient:
     def ships_hidden(self) -> bool:
         return bool(self.caps is not None and self.caps.needs_hidden_states)
 
-    def start(self) -> "DraftClient":
-        """Connect and say hello (bounded by the timeout); never raises on failure."""
-        self.link.start()
+    def start(self, wait_s: float | None = None) -> "DraftClient":
+        """Connect and say hello, waiting up to ``wait_s`` (default: the timeout) for the
+        answer; the hello goes on in later steps if it takes longer. Never raises on failure."""
+        self.link.start(self.settings.timeout_s if wait_s is None else wait_s)
         return self
 
     def close(self) -> None:
@@ -204,6 +205,9 @@ class DraftClient:
         for i in ahead.tolist():
             rec, rid, start = recs[i], inp.req_ids[i], int(plan.starts[i])
             prompt = (inp.prompt_token_ids or {}).get(rid)
+            if rec.resync and (prompt is None or len(prompt) < start):
+                drop.append(i)                 # drafting again, its history comes with a later step
+                continue
             why = (f"rows start at {start}, the server holds {rec.length}" if rec.sent else
                    None if prompt is not None and len(prompt) >= start else
                    f"prefix-cache hit at {start} but no prompt tokens to attach it")
@@ -217,6 +221,7 @@ class DraftClient:
             self.outbox.send_plain(p.Reconnect(rec.handle, start), [rid], FailureKind.RECONNECT, p.tensor_frame(tokens))
             self.telemetry.count("reconnects")
             rec.length, rec.sent = start, True
+            self.book.attached(rec)
         return plan.without(drop) if drop else plan
 
     # -------------------------------------------------------------- staging
@@ -269,7 +274,12 @@ class DraftClient:
                 self.telemetry.count("sync_ingests")
             return
         with self.telemetry.phase("wait"):
-            reply = self.link.conn.wait(pending, spin_s=SPIN_S)
+            try:
+                reply = self.link.conn.wait(pending, spin_s=SPIN_S,
+                                            give_up_at=time.monotonic() + self.settings.propose_timeout_s)
+            except ReplyLate:              # the step goes on without drafts; the context is intact
+                self.telemetry.count("late_proposals")
+                return
         self.telemetry.add("round_trip", pending.round_trip)
         if isinstance(reply.result, list) and len(reply.result) == 2:
             self.telemetry.add("server.store", reply.result[0])
@@ -344,12 +354,18 @@ class DraftClient:
             self.book.hold_frees(handles, retain)
             self.link.lose(exc)
 
+    def wants_history(self) -> frozenset[str]:
+        """Requests drafting again whose next step must carry their token history (any thread)."""
+        return self.book.history_wanted
+
     def is_disabled(self, req_id: str) -> bool:
         return self.book.is_disabled(req_id)
 
     # ============================================================ callbacks
     def _on_ready(self, caps: p.Caps) -> None:
         self.book.limit = caps.max_requests
+        self.book.apply()
+        self.book.rearm()
         for handles, retain in self.book.take_unsent_frees():
             self._free(handles, retain)
 

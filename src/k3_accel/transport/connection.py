@@ -265,17 +265,22 @@ class Connection:
                 raise TransportError(f"receive from {self.address} failed: {exc}") from exc
         return handled
 
-    def wait(self, item: Pending, spin_s: float = 0.0) -> Reply:
+    def wait(self, item: Pending, spin_s: float = 0.0, give_up_at: float | None = None) -> Reply:
         """Read replies until ``item``'s arrives; :class:`TransportTimeout` at its deadline.
 
         For the first ``spin_s`` seconds it polls without sleeping: a thread that sleeps in
         the kernel (and a virtual CPU that idles) wakes up slowly, which a propose round trip
-        of a few hundred microseconds feels in full."""
+        of a few hundred microseconds feels in full. ``give_up_at`` (a ``time.monotonic``
+        value before the deadline): :class:`ReplyLate` then, and the message stays pending
+        (its reply is still read, and dropped, when it comes)."""
         spin_until = time.monotonic() + spin_s
         while item.reply is None and time.monotonic() < spin_until:
             self.poll(0, until=item)
         while item.reply is None:
-            left = item.deadline - time.monotonic()
+            now = time.monotonic()
+            if give_up_at is not None and now >= give_up_at and now < item.deadline:
+                raise ReplyLate(f"no reply to {item.op} seq={item.seq} yet; going on without it")
+            left = min(item.deadline, give_up_at if give_up_at is not None else item.deadline) - now
             if left <= 0 or self._sock is None:
                 raise TransportTimeout(f"no reply to {item.op} seq={item.seq} from {self.address} "
                                        f"within {self.timeout_s:.3f}s")
@@ -312,6 +317,10 @@ class Connection:
         old, self.server_id = self.server_id, server_id
         if old is not None and old != server_id:
             self.on_server_id(old, server_id)
+
+
+class ReplyLate(Exception):
+    """A reply the caller stopped waiting for (not a transport failure: it may still come)."""
 
 
 def _teardown(ctx: zmq.Context, socks: list) -> None:

@@ -58,16 +58,26 @@ class Link:
         return self.state is State.READY
 
     # ------------------------------------------------------------- lifecycle
-    def start(self) -> None:
-        """Connect and say hello, waiting up to the timeout; never raises on failure."""
+    def start(self, wait_s: float) -> None:
+        """Connect and say hello, waiting up to ``wait_s`` for the answer (the timeout at
+        most); a slower hello is finished by :meth:`service`. Never raises on failure."""
         if self.state is not State.NEW:
             raise RuntimeError(f"start() called in state {self.state.value}")
-        self._open(time.monotonic())
+        now = time.monotonic()
+        self._open(now)
+        wait_s = min(wait_s, self.settings.timeout_s)
         try:
-            if not self.conn.writable(self.settings.timeout_s):
-                raise TransportTimeout(f"draft server at {self.settings.address} not reachable")
+            if not self.conn.writable(wait_s):
+                if wait_s >= self.settings.timeout_s:
+                    raise TransportTimeout(f"draft server at {self.settings.address} not reachable")
+                return                               # service() sends the hello once it can
             self._send_hello()
-            self._accept(self.conn.wait(self._hello))
+            while not self._hello.done and time.monotonic() - now < wait_s:
+                self.conn.poll(max(0.0, wait_s - (time.monotonic() - now)), until=self._hello)
+            if self._hello.done:
+                self._accept(self._hello.reply)
+            elif wait_s >= self.settings.timeout_s:
+                raise TransportTimeout(f"no hello from the draft server at {self.settings.address}")
         except TransportError as exc:
             log.error("k3 draft server not usable at start (%s); drafting stays off until it answers", exc)
             self.lose(exc)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Container, Iterable, Sequence
 import numpy as np
 import torch
 
-from k3_accel.transport.api import StepInput, StepOutput
+from k3_accel.transport.api import StepInput
 
 log = logging.getLogger("k3_accel.vllm")
 
@@ -105,29 +105,46 @@ class RemoteDrafter:
     def ships_hidden(self) -> bool:
         return self.session is not None and self.session.ships_hidden
 
-    def step(self, req_ids: Sequence[str], *, skip: np.ndarray, k: int, build: Build,
-             live: Container[str] | None = None, pad_to: int | None = None) -> torch.Tensor:
-        """Drafts ``[pad_to, k]`` int64 (``pad_to`` defaults to ``len(req_ids)``; padding rows
-        and skipped requests get no draft, -1), identical on every TP rank.
-
-        Frees the known requests not in ``live`` (vLLM dropped them) first.
-        ``skip[i]``: request ``i`` is left out (no context, no draft). The driver
-        calls ``build(keep, fresh)`` with the kept batch indices and the kept ids
-        seen for the first time; an exception there fails the step closed.
-        """
+    def admit(self, req_ids: Sequence[str], skip: np.ndarray, live: Container[str] | None = None
+              ) -> tuple[np.ndarray, list[str]] | None:
+        """The host-side half of a step, the same on every rank: frees the known requests
+        not in ``live`` (vLLM dropped them), then returns ``(keep, fresh)``: the kept batch
+        indices (``skip[i]``: request ``i`` is left out: no context, no draft) and the kept
+        ids whose token history the step must carry: seen for the first time, or drafting
+        again after an outage. None: nothing to do remotely this step."""
         if live is not None:
             self.free_departed(live)
         r = len(req_ids)
-        rows = r if pad_to is None else pad_to
         keep = np.flatnonzero(~np.asarray(skip, dtype=bool)[:r])
         if keep.size < r:
             self.counters["skipped_requests"] += r - int(keep.size)
         if self.session is None or keep.size == 0:
             if r and self.session is not None:
                 self.counters["skipped_steps"] += 1
-            return self._no_drafts(rows, k)
+            return None
         self.counters["steps"] += 1
-        fresh = self.known.new(req_ids[i] for i in keep.tolist())
+        kept = [req_ids[i] for i in keep.tolist()]
+        fresh = self.known.new(kept)
+        again = self.session.wants_history()
+        if again:                          # drafting again after an outage: they need their history too
+            seen = set(fresh)
+            fresh += [rid for rid in kept if rid in again and rid not in seen]
+        return keep, fresh
+
+    def step(self, req_ids: Sequence[str], *, skip: np.ndarray, k: int, build: Build,
+             live: Container[str] | None = None, pad_to: int | None = None) -> torch.Tensor:
+        """Drafts ``[pad_to, k]`` int64 (``pad_to`` defaults to ``len(req_ids)``; padding rows
+        and skipped requests get no draft, -1), identical on every TP rank (the V1 runners).
+
+        See :meth:`admit`. The driver calls ``build(keep, fresh)`` with the kept batch
+        indices and the kept ids seen for the first time; an exception there fails the
+        step closed.
+        """
+        rows = len(req_ids) if pad_to is None else pad_to
+        plan = self.admit(req_ids, skip, live)
+        if plan is None:
+            return self._no_drafts(rows, k)
+        keep, fresh = plan
         inp = None
         if self.session.is_driver:
             try:
@@ -142,8 +159,7 @@ class RemoteDrafter:
         return out
 
     def _no_drafts(self, rows: int, k: int) -> torch.Tensor:
-        drafts = StepOutput.empty(rows, k).drafts
-        return drafts if self.device is None else drafts.to(self.device)
+        return torch.full((rows, k), -1, dtype=torch.int64, device=self.device)
 
     def free_departed(self, live: Container[str]) -> None:
         """Free the known requests vLLM dropped (finished or preempted) since the last step."""

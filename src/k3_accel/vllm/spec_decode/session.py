@@ -1,9 +1,14 @@
-"""The target's facts, the TP-rank-0 client and the broadcast that gives every rank the same drafts.
+"""The target's facts, the TP-rank-0 draft thread and the broadcast that gives every rank the same drafts.
 
-Rank 0 of the TP group owns the :class:`DraftClient`; every rank calls
-:meth:`RemoteDraftSession.step` in lockstep and gets the same drafts. "No
-draft" comes from the transport (-1, :meth:`StepOutput.empty` when a step
-fails); the runner adapters convert it to what their runner needs.
+Rank 0 of the TP group owns the :class:`~.pipeline.DraftPipeline` (the one
+thread that talks to the server); every rank calls the session in lockstep
+and gets the same drafts. "No draft" comes from the transport (-1,
+:meth:`StepOutput.empty` when a step fails); the runner adapters convert it
+to what their runner needs.
+
+The broadcast goes through a communicator vLLM has already set up: its
+PyNCCL communicator on the current stream for device tensors, the group's
+CPU (gloo) group for host tensors. A failure there fails the step closed.
 """
 from __future__ import annotations
 
@@ -40,15 +45,32 @@ class TargetFacts:
         return len(self.aux_layer_ids) * self.hidden_size
 
 
-def _aux_layer_ids(spec: Any) -> tuple[int, ...]:
+def aux_layer_ids(spec: Any) -> tuple[int, ...]:
+    """The target layers whose outputs vLLM captures for the draft, ascending, each once.
+
+    vLLM decides (``get_eagle3_aux_layers_from_config``: capture indices, i.e. the
+    layer id + 1, then ``sorted(set(...))`` when the model installs them); this
+    turns its answer back into layer ids. A vLLM without that function: the
+    draft config's ``dflash_config.target_layer_ids`` (or top-level
+    ``target_layer_ids``), sorted and deduplicated the same way.
+    """
     if spec.method not in HIDDEN_METHODS:
         return ()
-    hf = spec.draft_model_config.hf_config
-    dflash = getattr(hf, "dflash_config", None) or {}
-    ids = dflash.get("target_layer_ids") or getattr(hf, "target_layer_ids", None)
-    if not ids:
-        raise ValueError(f"draft config of {spec.model} names no dflash_config.target_layer_ids")
-    return tuple(int(i) for i in ids)
+    try:
+        from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    except ImportError:
+        get_eagle3_aux_layers_from_config = None
+    if get_eagle3_aux_layers_from_config is not None:
+        captured = get_eagle3_aux_layers_from_config(spec)
+        ids = [int(i) - 1 for i in captured or ()]
+    else:
+        hf = spec.draft_model_config.hf_config
+        dflash = getattr(hf, "dflash_config", None) or {}
+        ids = [int(i) for i in (dflash.get("target_layer_ids") or getattr(hf, "target_layer_ids", None) or ())]
+    if not ids or min(ids) < 0:
+        raise ValueError(f"draft config of {spec.model} names no usable target layer ids "
+                         f"(dflash_config.target_layer_ids)")
+    return tuple(sorted(set(ids)))
 
 
 def target_facts(vllm_config: Any) -> TargetFacts:
@@ -56,9 +78,19 @@ def target_facts(vllm_config: Any) -> TargetFacts:
     model = vllm_config.model_config
     sched = vllm_config.scheduler_config
     return TargetFacts(method=spec.method, num_speculative_tokens=int(spec.num_speculative_tokens),
-                       aux_layer_ids=_aux_layer_ids(spec), hidden_size=int(model.get_hidden_size()),
+                       aux_layer_ids=aux_layer_ids(spec), hidden_size=int(model.get_hidden_size()),
                        hidden_dtype=model.dtype, max_rows=int(sched.max_num_batched_tokens),
                        vocab_size=int(model.get_vocab_size()), max_num_seqs=int(sched.max_num_seqs))
+
+
+def client_settings(vllm_config: Any, facts: TargetFacts) -> ClientSettings:
+    """The transport settings of this engine (the plugin config plus the target's facts)."""
+    f = facts
+    return ClientSettings.from_config(
+        from_vllm(vllm_config), max_rows=f.max_rows, context_width=f.context_width,
+        hidden_dtype=f.hidden_dtype, num_speculative_tokens=f.num_speculative_tokens,
+        target_vocab_size=f.vocab_size, hidden_size=f.hidden_size if f.aux_layer_ids else 0,
+        aux_layer_ids=f.aux_layer_ids, max_requests=f.max_num_seqs, client_name=_client_name(vllm_config))
 
 
 def _client_name(vllm_config: Any) -> str:
@@ -72,25 +104,40 @@ def _tp_group():
     return get_tp_group()
 
 
+def broadcaster(group: Any, device: torch.device):
+    """``send(tensor)``: rank 0's tensor to every rank of ``group`` in place, through a
+    communicator vLLM set up already (see the module docstring); raises RuntimeError
+    when there is none for ``device``."""
+    if group.world_size == 1:
+        return lambda t: None
+    if device.type == "cuda":
+        pynccl = getattr(getattr(group, "device_communicator", None), "pynccl_comm", None)
+        if pynccl is None or getattr(pynccl, "disabled", True):
+            raise RuntimeError("the TP group has no PyNCCL communicator to broadcast drafts with")
+        return lambda t: pynccl.broadcast(t, src=0)
+    import torch.distributed as dist
+    src = group.ranks[0]
+    return lambda t: dist.broadcast(t, src=src, group=group.cpu_group)
+
+
 class RemoteDraftSession:
-    """The rank-0 client plus the broadcast that gives every TP rank the same drafts."""
+    """The rank-0 draft thread plus the broadcast that gives every TP rank the same drafts."""
 
     def __init__(self, vllm_config: Any, device: torch.device, failures: FailureLog):
         self.facts = target_facts(vllm_config)
         self.device = device
         self.failures = failures
         self.group = _tp_group()
-        self.client = None
+        self._broadcast = broadcaster(self.group, device)
+        self.pipeline = None
+        self.settings = None
         if self.group.rank_in_group == 0:
             from k3_accel.transport.client import DraftClient
-            f = self.facts
-            settings = ClientSettings.from_config(
-                from_vllm(vllm_config), max_rows=f.max_rows, context_width=f.context_width,
-                hidden_dtype=f.hidden_dtype, num_speculative_tokens=f.num_speculative_tokens,
-                target_vocab_size=f.vocab_size, hidden_size=f.hidden_size if f.aux_layer_ids else 0,
-                aux_layer_ids=f.aux_layer_ids, max_requests=f.max_num_seqs,
-                client_name=_client_name(vllm_config))
-            self.client = DraftClient(settings).start()
+            from k3_accel.vllm.spec_decode.fence import make_fence
+            from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
+            self.settings = settings = client_settings(vllm_config, self.facts)
+            self.pipeline = DraftPipeline(DraftClient(settings), make_fence(device), self.facts.max_num_seqs,
+                                          self.facts.num_speculative_tokens, self._thread_failure)
             log.info("k3-accel: remote drafting via %s (method=%s, K=%d, context width %d)",
                      settings.address, self.facts.method, self.facts.num_speculative_tokens,
                      self.facts.context_width)
@@ -102,42 +149,77 @@ class RemoteDraftSession:
     @property
     def is_driver(self) -> bool:
         """This rank owns the client (TP rank 0) and must build the step input."""
-        return self.client is not None
+        return self.pipeline is not None
 
+    @property
+    def client(self):
+        return self.pipeline.client if self.pipeline is not None else None
+
+    def _thread_failure(self, kind: str, what: str) -> None:
+        self.failures.record(kind, what)
+
+    def _wait_s(self) -> float:
+        s = self.settings
+        return s.timeout_s + s.propose_timeout_s if s is not None else 60.0
+
+    # ------------------------------------------------------------ V1 (host input)
     def step(self, inp: StepInput | None, num_requests: int, k: int) -> torch.Tensor:
         """Drafts ``[num_requests, k]`` int64 on ``self.device``, identical on every rank.
 
         The driver passes the step's input (None: no drafts this step); other
-        ranks pass None. Never raises on the driver for a client error: the
-        step fails closed (no drafts) so every rank still reaches the broadcast.
+        ranks pass None. Never raises for a client error: the step fails closed
+        (no drafts), so every rank still reaches the broadcast.
         """
         drafts = None
-        if self.client is not None and inp is not None:
+        if self.pipeline is not None and inp is not None:
             drafts = self._drive(inp, num_requests, k)
         if drafts is None:
-            drafts = StepOutput.empty(num_requests, k).drafts.to(self.device)
-        if self.group.world_size > 1:
-            drafts = self.group.broadcast(drafts, src=0)
+            drafts = torch.full((num_requests, k), -1, dtype=torch.int64, device=self.device)
+        self.broadcast(drafts)
         return drafts
 
     def _drive(self, inp: StepInput, num_requests: int, k: int) -> torch.Tensor | None:
         try:
-            out: StepOutput = self.client.step(inp)
+            out: StepOutput = self.pipeline.call(lambda c: c.step(inp), timeout=self._wait_s())
             if tuple(out.drafts.shape) != (num_requests, k):
                 raise ValueError(f"drafts shape {list(out.drafts.shape)} != [{num_requests}, {k}]")
-            return out.drafts.to(self.device, non_blocking=True)
+            return out.drafts.to(self.device)
         except Exception:  # noqa: BLE001 - fail closed; the transport disabled what it had to
             self.failures.record("step", "the remote draft step")
             return None
 
+    def broadcast(self, drafts: torch.Tensor) -> None:
+        """Rank 0's drafts to every rank (in place; nothing with one rank or ``k == 0``)."""
+        if self.group.world_size == 1 or drafts.numel() == 0:
+            return
+        try:
+            self._broadcast(drafts)
+        except Exception:  # noqa: BLE001 - fail closed on this rank
+            drafts.fill_(-1)
+            self.failures.record("broadcast", "broadcasting the drafts to the TP group")
+
+    # --------------------------------------------------------- the draft thread
     def finish(self, req_ids: Iterable[str]) -> None:
-        if self.client is not None:
-            self.client.finish(list(req_ids))
+        if self.pipeline is not None:
+            ids = list(req_ids)
+            self.pipeline.call(lambda c: c.finish(ids), wait=False)
+
+    def wants_history(self) -> frozenset[str]:
+        """Requests whose next rows must come with their token history (drafting again)."""
+        client = self.client
+        return client.wants_history() if client is not None else frozenset()
+
+    def flush(self) -> None:
+        """Wait until everything handed to the draft thread is on the server (tests, shutdown)."""
+        if self.pipeline is not None:
+            self.pipeline.call(lambda c: c.flush(), timeout=self._wait_s())
 
     def stats(self) -> dict:
-        return self.client.stats() if self.client is not None else {}
+        if self.pipeline is None:
+            return {}
+        return self.pipeline.call(lambda c: c.stats(), timeout=self._wait_s())
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        if self.pipeline is not None:
+            pipeline, self.pipeline = self.pipeline, None
+            pipeline.close(self._wait_s())

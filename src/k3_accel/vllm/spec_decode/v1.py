@@ -45,7 +45,10 @@ class RemoteProposerBase:
                               live=runner.requests, pad_to=pad_to)
 
     def _prompts(self, fresh: list[str]) -> dict[str, Any]:
-        return {rid: self.runner.requests[rid].prompt_token_ids for rid in fresh}
+        """Token history (prompt, then outputs) of the requests the transport may have to attach."""
+        requests = self.runner.requests
+        return {rid: list(requests[rid].prompt_token_ids or []) + list(getattr(requests[rid], "output_token_ids", []))
+                for rid in fresh}
 
     def stats(self) -> dict:
         return self.core.stats()

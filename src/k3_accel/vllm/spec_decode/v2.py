@@ -19,10 +19,11 @@ hooks. ``propose(...)`` translates the runner's arguments for the
   prompt_len``); vLLM dropping a request from ``req_id_to_index`` frees it.
 
 ``num_speculative_tokens=0`` (the scheduler's ``skip_drafts``) still ships
-context. Dummy and profile runs return -1 without touching the network or the
-TP group. "No draft" leaves this module as the request's last sampled token,
-not -1: the V2 runner feeds drafts to the target's embedding unchecked, and -1
-there is a CUDA index assert.
+context. Dummy and profile runs, and the steps of vLLM's kernel warm-up
+(request ids ``_warmup_*`` / ``_v2_mixed_warmup_*``), return without touching
+the network or the TP group. "No draft" leaves this module as the request's
+last sampled token, not -1: the V2 runner feeds drafts to the target's
+embedding unchecked, and -1 there is a CUDA index assert.
 
 Importing this module is cheap: vLLM's ``BaseSpeculator`` module (which pulls
 in attention and model-loader code) is imported when the first remote
@@ -33,14 +34,14 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from k3_accel.vllm.compat import require
 from k3_accel.vllm.spec_decode.core import RemoteDrafter, finishes_after_prefill
-from k3_accel.vllm.spec_decode.rows import BatchRows, gather_step
+from k3_accel.vllm.spec_decode.v2_launch import DeviceRows, LaunchSlots, launch, samples_host
 
 log = logging.getLogger("k3_accel.vllm")
 
@@ -48,16 +49,18 @@ SPECULATOR_MODULE = "vllm.v1.worker.gpu.spec_decode.speculator"
 
 
 # ============================================================ V2 batch -> core
+WARMUP_PREFIXES = ("_warmup_", "_v2_mixed_warmup")   # vLLM's warm-up steps (v1/worker/gpu/warmup.py)
+LAUNCH_DEPTH = 2                                      # pinned launch slots (the draft thread's lag)
+
+
 def _by_slot(t: torch.Tensor) -> torch.Tensor:
     """``last_sampled`` is ``[max_num_reqs, 1]`` in 0.33: read it flat like vLLM's kernels do."""
     return t.reshape(-1) if t.dim() > 1 and t.shape[-1] == 1 else t
 
 
-def batch_rows(input_batch: Any, num_sampled: torch.Tensor, num_rejected: torch.Tensor) -> BatchRows:
-    """Per-request row counts; one small device->host copy (sampled, rejected)."""
-    r = int(input_batch.num_reqs)
-    host = torch.stack([num_sampled[:r].to(torch.int64), num_rejected[:r].to(torch.int64)]).cpu().numpy()
-    return BatchRows.from_counts(input_batch.req_ids[:r], input_batch.query_start_loc_np, host[1], host[0] > 0)
+def is_warmup(req_ids: Sequence[str]) -> bool:
+    """A step of vLLM's kernel warm-up (real steps of synthetic requests): nothing goes remote."""
+    return bool(req_ids) and all(rid.startswith(WARMUP_PREFIXES) for rid in req_ids)
 
 
 def skip_mask(input_batch: Any, req_states: Any) -> np.ndarray:
@@ -73,44 +76,16 @@ def skip_mask(input_batch: Any, req_states: Any) -> np.ndarray:
                                   - np.asarray(prompt_len)[slots].astype(np.int64))
 
 
-def build_step_input(input_batch: Any, aux_hidden_states: Sequence[torch.Tensor] | None, rows: BatchRows,
-                     keep: np.ndarray, last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor, k: int, *,
-                     ship_hidden: bool = True, prompt_of: Callable[[int], torch.Tensor | None] | None = None,
-                     fresh: Sequence[str] = ()) -> Any:
-    """The ``StepInput`` of the kept requests (``keep``: batch indices, ascending).
-
-    ``prompt_of(i)`` gives batch request ``i``'s known tokens; it is asked only for
-    requests in ``fresh`` (seen for the first time) whose context does not start
-    at 0 (prefix-cache hit, resumed request), so the transport can reconnect them.
-    """
-    keep = np.asarray(keep, dtype=np.int64)
-    device = input_batch.positions.device
-    slots = input_batch.idx_mapping[: int(input_batch.num_reqs)].index_select(
-        0, torch.from_numpy(keep).to(device, non_blocking=True))
-    sampled = rows.sampled[keep]
-    last = _by_slot(last_sampled)
-    next_prompt = next_prefill_tokens[0] if next_prefill_tokens.dim() > 1 else next_prefill_tokens
-    if sampled.all():
-        anchors = last.index_select(0, slots).to(torch.int64)
-    elif not sampled.any():
-        anchors = next_prompt.index_select(0, slots).to(torch.int64)
-    else:
-        anchors = torch.where(torch.from_numpy(sampled).to(device, non_blocking=True),
-                              last.index_select(0, slots).to(torch.int64),
-                              next_prompt.index_select(0, slots).to(torch.int64))
-    prompts = {}
+def history_rows(input_batch: Any, keep: np.ndarray, wanted: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Request id -> (batch index, tokens to copy) for the kept requests in ``wanted`` whose
+    context does not start at 0 (prefix-cache hit, resumed request, drafting again); the
+    count is the host's (upper-bound) number of computed tokens."""
     computed = getattr(input_batch, "num_computed_tokens_np", None)
-    if prompt_of is not None and fresh and computed is not None:
-        fresh = set(fresh)
-        for i in keep.tolist():
-            rid = input_batch.req_ids[i]
-            if int(computed[i]) > 0 and rid in fresh:
-                prompt = prompt_of(i)
-                if prompt is not None:
-                    prompts[rid] = prompt
-    return gather_step(rows, keep, positions=input_batch.positions, token_ids=input_batch.input_ids,
-                       hidden=aux_hidden_states if ship_hidden else None, anchor_tokens=anchors, k=k,
-                       prompts=prompts)
+    if computed is None or not wanted:
+        return {}
+    wanted = set(wanted)
+    return {input_batch.req_ids[i]: (i, int(computed[i])) for i in keep.tolist()
+            if input_batch.req_ids[i] in wanted and int(computed[i]) > 0}
 
 
 def fill_missing(cols: torch.Tensor, input_batch: Any, last_sampled: torch.Tensor, vocab_size: int = 0) -> None:
@@ -122,7 +97,8 @@ def fill_missing(cols: torch.Tensor, input_batch: Any, last_sampled: torch.Tenso
     scheduling every decode request gets K draft slots whatever we return),
     and an id of -1 trips CUDA's index assert in the embedding (seen on an
     H200). A real id there is verified like any draft, so the output is
-    unchanged; the slots are computed either way.
+    unchanged; with adaptive verification on, such a position's confidence
+    is 0 and it is not verified at all.
     """
     slots = input_batch.idx_mapping[: cols.shape[0]]
     filler = _by_slot(last_sampled).index_select(0, slots).to(torch.int64).clamp_min_(0).unsqueeze(1)
@@ -138,8 +114,6 @@ class RemoteSpeculatorMixin:
     supports_mm_inputs = False
     num_query_per_req = 1
     num_extra_query_per_req = 0
-    enable_adaptive_verification = False
-    draft_token_confidence_probs = None
     # None: the rejection sampler treats drafts as point masses, which is exact
     # for the server's greedy drafts whatever the target's temperature.
     draft_logits = None
@@ -151,14 +125,32 @@ class RemoteSpeculatorMixin:
         self.vllm_config = vllm_config
         self.device = torch.device(device)
         self.req_states = req_states
-        self.num_speculative_steps = int(spec.num_speculative_tokens)
+        self.num_speculative_steps = k = int(spec.num_speculative_tokens)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.max_num_reqs = int(vllm_config.scheduler_config.max_num_seqs)
-        self.drafts = torch.full((self.max_num_reqs, self.num_speculative_steps), -1,
-                                 dtype=torch.int64, device=self.device)
+        # adaptive verification (opt-in in vLLM's speculative config) sizes verification from
+        # these: 1 where a draft came, 0 where none did (so a request without drafts costs a plain decode)
+        self.enable_adaptive_verification = bool(getattr(spec, "enable_adaptive_verification", False))
+        self._confidence = torch.zeros((self.max_num_reqs, k), dtype=torch.float32, device=self.device)
+        self.draft_token_confidence_probs = self._confidence
+        self.drafts = torch.full((self.max_num_reqs, k), -1, dtype=torch.int64, device=self.device)
         self.pcp_manager = None
         self.core = RemoteDrafter(self.device)
-        self.core.open(vllm_config, self.device)
+        self.rows = self.slots = None
+        self.disabled: str | None = None
+        try:
+            self.core.open(vllm_config, self.device)
+            session = self.core.session
+            if session.is_driver:      # every device buffer now, at its final size (vLLM profiles after)
+                f = session.facts
+                self.rows = DeviceRows(f.max_rows, f.context_width, f.hidden_dtype, self.max_num_reqs, self.device)
+                self.slots = LaunchSlots(LAUNCH_DEPTH, f.max_rows, f.context_width, f.hidden_dtype,
+                                         self.max_num_reqs, pin=self.device.type == "cuda")
+        except Exception as exc:  # noqa: BLE001 - a hook must never take vLLM down
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            log.error("k3-accel: remote drafting is OFF for this engine (%s); the target runs without drafts",
+                      self.disabled)
+            self.core.close()
         self._finalizer = weakref.finalize(self, self.core.close)
         method = getattr(spec, "draft_sample_method", "greedy")
         if method != "greedy":
@@ -183,53 +175,88 @@ class RemoteSpeculatorMixin:
                 num_speculative_tokens: int | None = None) -> torch.Tensor:
         """Drafts ``[num_reqs, num_speculative_tokens]`` int64 on the device.
 
-        Where the server gave no draft the column holds the request's last
-        sampled token (:func:`fill_missing`); columns past this step's K are
-        -1 (the runner overwrites them with -1 itself and never schedules
-        them). Dummy/profile runs return -1 throughout (the runner discards them).
+        Nothing here blocks the host on the GPU or on the server: the step's
+        context is launched device -> pinned host (:mod:`.v2_launch`), the
+        draft thread (:mod:`.pipeline`) ships it, and when a request may draft
+        the compute stream waits (:mod:`.fence`) for the reply, copied into
+        the returned buffer. Where the server gave no draft the column holds
+        the request's last sampled token (:func:`fill_missing`) and its
+        confidence is 0; columns past this step's K are -1. Dummy/profile
+        runs return -1 throughout (the runner discards them).
         """
         r = int(input_batch.num_reqs)
         out = self.drafts[:r]
         out.fill_(-1)
-        if dummy_run or is_profile:          # warm-up, profiling, graph capture: never the network
+        self._confidence[:r].zero_()
+        if dummy_run or is_profile:          # profiling, graph capture: never the network
             self.core.counters["dummy_runs"] += 1
             return out
         k = self.num_speculative_steps if num_speculative_tokens is None else \
             max(0, min(int(num_speculative_tokens), self.num_speculative_steps))
-
-        def build(keep: np.ndarray, fresh: list[str]):
-            return build_step_input(input_batch, aux_hidden_states,
-                                    batch_rows(input_batch, num_sampled, num_rejected), keep, last_sampled,
-                                    next_prefill_tokens, k, ship_hidden=self.core.ships_hidden,
-                                    prompt_of=self._prompt_of(input_batch), fresh=fresh)
-
-        live = getattr(self.req_states, "req_id_to_index", None)
-        drafts = self.core.step(input_batch.req_ids[:r], skip=skip_mask(input_batch, self.req_states), k=k,
-                                build=build, live=live)
+        req_ids = input_batch.req_ids[:r]
+        if is_warmup(req_ids):               # vLLM's kernel warm-up: real steps of synthetic requests
+            self.core.counters["warmup_steps"] += 1
+        else:
+            plan = self.core.admit(req_ids, skip_mask(input_batch, self.req_states),
+                                   getattr(self.req_states, "req_id_to_index", None))
+            if plan is not None and k > 0 and samples_host(input_batch, r)[plan[0]].any():
+                self._draft(plan, input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                            next_prefill_tokens, k, out[:, :k])
+            elif plan is not None:
+                self._ship(plan, input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                           next_prefill_tokens, 0)
         if k > 0:
-            out[:, :k].copy_(drafts)
+            torch.ge(out[:, :k], 0, out=self._confidence[:r, :k])
             if self.fill_missing_drafts:
                 fill_missing(out[:, :k], input_batch, last_sampled, self.vocab_size)
         return out
 
-    def _prompt_of(self, input_batch) -> Callable[[int], torch.Tensor | None] | None:
-        states = self.req_states
-        if states is None or not hasattr(states, "all_token_ids"):
+    def _ship(self, plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
+              k: int) -> int | None:
+        """Driver: launch the step and hand it to the draft thread; the fence value its drafts
+        will carry (None: nothing to wait for). Fails closed."""
+        session = self.core.session
+        if not session.is_driver:
+            return None
+        keep, fresh = plan
+        try:
+            step = launch(self.rows, self.slots, input_batch, aux if session.ships_hidden else None,
+                          num_sampled, num_rejected, last_sampled, next_prefill_tokens, keep, k,
+                          history_rows(input_batch, keep, fresh), self._token_rows(), session.settings.timeout_s)
+            return session.pipeline.submit(step, propose=k > 0)
+        except Exception:  # noqa: BLE001 - fail closed
+            self.core.failures.record("step_input", "launching the step's context")
             return None
 
-        def prompt(i: int) -> torch.Tensor:
-            slot = int(input_batch.idx_mapping_np[i])
-            n = int(states.prefill_len.np[slot])
-            return states.all_token_ids.gpu[slot, :n].to("cpu", torch.int64)
-        return prompt
+    def _draft(self, plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
+               k: int, cols: torch.Tensor) -> None:
+        """Ship the step with a propose and put the drafts into ``cols`` (every rank)."""
+        session = self.core.session
+        seq = self._ship(plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens, k)
+        if seq is not None:
+            fence, reply = session.pipeline.fence, session.pipeline.reply_rows(seq, cols.shape[0], k)
+            if fence.on_device:
+                fence.enqueue(seq, torch.cuda.current_stream(self.device))
+                cols.copy_(reply, non_blocking=True)
+            elif fence.wait(seq, session.settings.timeout_s + session.settings.propose_timeout_s):
+                cols.copy_(reply)
+        session.broadcast(cols)
+
+    def _token_rows(self) -> torch.Tensor | None:
+        """vLLM's ``all_token_ids`` by slot (UVA or device): the history of requests to attach."""
+        return getattr(getattr(self.req_states, "all_token_ids", None), "gpu", None)
 
     # ------------------------------------------------------------- public
     def stats(self) -> dict[str, Any]:
         return self.core.stats()
 
+    def flush(self) -> None:
+        """Wait until every step handed to the draft thread is on the server (tests, shutdown)."""
+        if self.core.session is not None:
+            self.core.session.flush()
+
     def close(self) -> None:
         self._finalizer()
-
 
 @functools.lru_cache(maxsize=1)
 def speculator_class() -> type:
@@ -255,5 +282,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["RemoteSpeculatorMixin", "batch_rows", "build_step_input", "create_speculator", "fill_missing",
+__all__ = ["RemoteSpeculatorMixin", "create_speculator", "fill_missing", "history_rows", "is_warmup",
            "skip_mask", "speculator_class"]

