@@ -21,6 +21,7 @@ HOOKS: tuple[tuple[str, str], ...] = (
     ("communicator", "k3_accel.vllm.tp.communicator:install"),
     ("custom_op", "k3_accel.vllm.tp.custom_op:install"),
     ("speculator_v2", "k3_accel.vllm.spec_decode.hooks:install_v2"),
+    ("draft_tp", "k3_accel.vllm.spec_decode.hooks:install_draft_tp"),
     ("proposer_v1", "k3_accel.vllm.spec_decode.hooks:install_v1"),
 )
 

@@ -10,8 +10,9 @@ change goes through :mod:`k3_accel.vllm.patching`. Patch sites:
   The wrapper returns ``RemoteSpeculatorV2`` (:mod:`.v2`) when
   :func:`~.methods.remote_enabled` says so, else calls vLLM's function.
 * V1 (``proposer_v1``), right after ``vllm.v1.worker.gpu_model_runner`` is
-  imported (~1.5 s, workers only): ``GPUModelRunner.__init__`` and
-  ``GPUModelRunner.shutdown``. While one remote runner's ``__init__`` runs,
+  imported (~1.5 s, workers only): ``GPUModelRunner.__init__``,
+  ``take_draft_token_ids`` (drafts end at the first -1, so the scheduler
+  schedules no placeholder for a missing draft) and ``shutdown``. While one remote runner's ``__init__`` runs,
   ``gpu_model_runner.DFlashProposer`` (or ``ngram_proposer.NgramProposer``) is
   swapped for :class:`~.v1.RemoteDFlashProposer` (or ``RemoteNgramProposer``),
   subclasses, so the runner's ``isinstance`` checks hold. Without an address
@@ -28,7 +29,8 @@ from typing import Any, Callable
 
 from k3_accel.vllm import patching
 from k3_accel.vllm.compat import MissingSymbol, require, vllm_version
-from k3_accel.vllm.spec_decode.methods import remote_enabled
+from k3_accel.config import ConfigError, load_config
+from k3_accel.vllm.spec_decode.methods import HIDDEN_METHODS, remote_enabled
 
 log = logging.getLogger("k3_accel.vllm")
 
@@ -37,6 +39,8 @@ SPEC_DECODE = "vllm.v1.worker.gpu.spec_decode"
 MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
 
 HOOK_V1 = "proposer_v1"
+HOOK_DRAFT_TP = "draft_tp"
+ARG_UTILS = "vllm.engine.arg_utils"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 NGRAM_MODULE = "vllm.v1.spec_decode.ngram_proposer"
 
@@ -88,6 +92,44 @@ def _patch_runner_name(runner: ModuleType) -> None:
                     "runner may not use remote drafting", MODEL_RUNNER)
 
 
+# ============================================================ draft TP
+def install_draft_tp() -> bool:
+    """Remote drafts never run on the target, so their TP size is moot: a remote method whose
+    ``--speculative-config`` leaves ``draft_tensor_parallel_size`` unset gets 1 (vLLM would
+    otherwise check the draft's head count against the target's TP and refuse to start)."""
+    require("vllm")
+    patching.when_imported(ARG_UTILS, _patch_engine_args, hook=HOOK_DRAFT_TP)
+    return True
+
+
+def _patch_engine_args(module: ModuleType) -> None:
+    cls = require(module.__name__, "EngineArgs")
+    if patching.patched(cls, "create_speculative_config") is None:
+        patching.patch(cls, "create_speculative_config", _wrap_create_spec(cls.create_speculative_config),
+                       hook=HOOK_DRAFT_TP)
+
+
+def _wrap_create_spec(create: Callable) -> Callable:
+    @functools.wraps(create)
+    def create_speculative_config(self, *args: Any, **kwargs: Any) -> Any:
+        spec = self.speculative_config
+        if isinstance(spec, dict) and spec.get("method") in HIDDEN_METHODS \
+                and spec.get("draft_tensor_parallel_size") is None and _has_address(self):
+            self.speculative_config = {**spec, "draft_tensor_parallel_size": 1}
+            log.info("k3-accel: remote %s drafting: draft_tensor_parallel_size=1 (the draft runs in the "
+                     "draft server, not on the target's GPUs)", spec["method"])
+        return create(self, *args, **kwargs)
+    return create_speculative_config
+
+
+def _has_address(engine_args: Any) -> bool:
+    extra = getattr(engine_args, "additional_config", None)
+    try:
+        return bool(load_config(extra if isinstance(extra, dict) else None).draft_address)
+    except ConfigError:
+        return False                 # the speculator reports a bad setting with its own message
+
+
 # ==================================================================== V1
 def install_v1() -> bool:
     """Patch the V1 runner once it is imported; raises :class:`MissingSymbol` if vLLM has none."""
@@ -113,6 +155,8 @@ def patch_runner(module: ModuleType) -> None:
     if patching.patched(cls, "__init__") is not None:
         return
     patching.patch(cls, "__init__", _wrap_runner_init(cls.__init__), hook=HOOK_V1)
+    if hasattr(cls, "take_draft_token_ids"):
+        patching.patch(cls, "take_draft_token_ids", _wrap_take_drafts(cls.take_draft_token_ids), hook=HOOK_V1)
     if hasattr(cls, "shutdown"):
         patching.patch(cls, "shutdown", _wrap_shutdown(cls.shutdown), hook=HOOK_V1)
 
@@ -140,6 +184,22 @@ def _wrap_runner_init(init: Callable) -> Callable:
             drafter.bind_runner(self)
         log.info("k3-accel: V1 runner drafts remotely with %s", type(drafter).__name__)
     return __init__
+
+
+def drafts_for_scheduler(draft_token_ids: list[list[int]]) -> list[list[int]]:
+    """Each request's drafts up to its first "no draft" (-1): the scheduler then schedules only
+    real drafts, so a request without any costs a plain decode step, not 1 + K verified tokens."""
+    return [row[:row.index(-1)] if -1 in row else row for row in draft_token_ids]
+
+
+def _wrap_take_drafts(take: Callable) -> Callable:
+    @functools.wraps(take)
+    def take_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
+        out = take(self, *args, **kwargs)
+        if out is not None and getattr(getattr(self, "drafter", None), "is_remote_drafter", False):
+            out.draft_token_ids = drafts_for_scheduler(out.draft_token_ids)
+        return out
+    return take_draft_token_ids
 
 
 def _wrap_shutdown(shutdown: Callable) -> Callable:

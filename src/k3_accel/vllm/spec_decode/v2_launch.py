@@ -196,7 +196,7 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
             for rid, (i, count) in prompts.items():
                 src = all_token_ids[int(input_batch.idx_mapping_np[i]), :count]
                 prompt_rows[rid] = torch.empty(count, dtype=torch.int64, pin_memory=rows.cuda and pinning_available())
-                prompt_rows[rid].copy_(src, non_blocking=rows.cuda)
+                prompt_rows[rid].copy_(src, non_blocking=True)
         ready = _copy_out(rows, slots, slot, r, n, compute, bool(aux))
         return Launch(list(input_batch.req_ids[:r]), np.asarray(keep, dtype=np.int64), k, r, slots, slot,
                       ready=ready, width=int(rows.hidden.shape[1]) if (aux and rows.hidden is not None) else 0,
@@ -218,7 +218,7 @@ def _copy_out(rows: DeviceRows, slots: LaunchSlots, slot: int, r: int, n: int, c
         pairs.append((slots.hidden[slot][:n], rows.hidden[:n]))
     if compute is None:
         for dst, src in pairs:
-            dst.copy_(src)
+            dst.copy_(src, non_blocking=True)     # a plain copy on the CPU
         return None
     rows.side.wait_stream(compute)
     with torch.cuda.stream(rows.side):

@@ -1,0 +1,78 @@
+"""A device-tensor stand-in for CPU tests: any host read of it raises, like a sync would on a GPU.
+
+``Dev`` tensors behave as device tensors for every device-side op (results
+stay ``Dev``), but reading their values on the host — ``.cpu()``,
+``.numpy()``, ``.tolist()``, ``.item()``, ``bool()`` / ``int()`` /
+``float()``, iterating, ``np.asarray``, ``.to("cpu")``, a blocking copy into
+a host tensor — raises :class:`HostRead`, as would ``torch.cuda``'s
+synchronise calls made from the step thread (:func:`no_host_sync`). A copy
+into a host tensor with ``non_blocking=True`` is allowed: on a GPU it is an
+asynchronous copy into pinned memory whose event someone else waits on.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+
+class HostRead(AssertionError):
+    """The step thread read device data on the host (a host synchronisation on a GPU)."""
+
+
+_READS = {torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__,
+          torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.__iter__,
+          torch.Tensor.__array__}
+_watched: set[int] = set()          # thread ids whose host reads raise
+
+
+class Dev(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if threading.get_ident() in _watched:
+            _check(func, args, kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _check(func, args, kwargs) -> None:
+    name = getattr(func, "__name__", str(func))
+    if func in _READS:
+        raise HostRead(f"host read of a device tensor: Tensor.{name}")
+    if func is torch.Tensor.to:
+        device = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+        if device is not None and torch.device(device).type == "cpu":
+            raise HostRead("device tensor copied to the host with .to('cpu')")
+    if func is torch.Tensor.copy_:
+        dst, src = args[0], args[1]
+        blocking = not kwargs.get("non_blocking", len(args) > 2 and args[2])
+        if isinstance(src, Dev) and not isinstance(dst, Dev) and blocking:
+            raise HostRead("blocking device->host copy")
+
+
+def dev(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a device-tensor stand-in (shares its memory)."""
+    return t.as_subclass(Dev)
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Inside: this thread's host reads of ``Dev`` tensors and CUDA synchronise calls raise."""
+    me = threading.get_ident()
+
+    def refuse(*_a, **_k):
+        if threading.get_ident() == me:
+            raise HostRead("CUDA synchronise called from the step thread")
+
+    patches = [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
+    _watched.add(me)
+    try:
+        for obj, name in patches:
+            setattr(obj, name, refuse)
+        yield
+    finally:
+        _watched.discard(me)
+        for obj, name, value in saved:
+            setattr(obj, name, value)

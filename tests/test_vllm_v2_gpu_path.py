@@ -1,0 +1,342 @@
+"""The V2 path as vLLM runs it on a GPU, driven on CPU with vLLM 0.33's real V2 objects.
+
+* the step never reads device data on the host (``helpers.standin``: every
+  tensor vLLM hands ``propose`` is a device stand-in whose host reads raise);
+* every device buffer exists, at its final size, once the speculator is built;
+* vLLM's warm-up steps send nothing; a slow reply costs the step its drafts,
+  not the request; requests draft again after the server restarts;
+* a request without drafts is verified as a plain decode (V2: confidence 0
+  for vLLM's adaptive verification; V1: no placeholder drafts scheduled);
+* the aux layer ids are vLLM's own resolution; a draft whose heads do not
+  divide the target's TP starts.
+"""
+from __future__ import annotations
+
+import time
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.server import ServerProcess
+from helpers.standin import HostRead, dev, no_host_sync
+from helpers.v2_sim import K, MAX_TOKENS, Sched, Sim, client_stats, expected_v2, server_stats
+
+pytestmark = pytest.mark.vllm
+spec_decode = pytest.importorskip("vllm.v1.worker.gpu.spec_decode")
+
+
+@pytest.fixture
+def sim():
+    return Sim()
+
+
+def _speculator(vllm_config, sim, address, monkeypatch, **env):
+    from k3_accel.vllm.spec_decode import hooks
+
+    hooks.install_v2()
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", address)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return spec_decode.init_speculator(vllm_config, torch.device("cpu"), sim.req_states)
+
+
+@pytest.fixture
+def speculator(vllm_config, tp_group, ngram_server, sim, monkeypatch):
+    spec = _speculator(vllm_config, sim, ngram_server.address, monkeypatch,
+                       VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS="20000")
+    yield spec
+    spec.close()
+
+
+class DeviceSim(Sim):
+    """Every tensor the runner hands ``propose`` is a device stand-in (host reads raise)."""
+
+    def batch(self, sched, aux=True):
+        import dataclasses
+        ib, aux_states, num_sampled, num_rejected = super().batch(sched, aux)
+        ib = dataclasses.replace(ib, idx_mapping=dev(ib.idx_mapping), query_start_loc=dev(ib.query_start_loc),
+                                 input_ids=dev(ib.input_ids), positions=dev(ib.positions))
+        self.last_batch = ib
+        return ib, [dev(a) for a in aux_states or []] or None, dev(num_sampled), dev(num_rejected)
+
+    def propose(self, speculator, sched, k=None, aux=True, **kw):
+        rs = self.req_states
+        saved = rs.last_sampled_tokens, rs.next_prefill_tokens, rs.all_token_ids.gpu
+        rs.last_sampled_tokens, rs.next_prefill_tokens = dev(saved[0]), dev(saved[1])
+        rs.all_token_ids.gpu = dev(saved[2])
+        try:
+            with no_host_sync():
+                out = super().propose(speculator, sched, k, aux, **kw)
+        finally:
+            rs.last_sampled_tokens, rs.next_prefill_tokens, rs.all_token_ids.gpu = saved
+        return out.as_subclass(torch.Tensor)
+
+
+def _own_buffers_as_device(spec) -> None:
+    spec.drafts, spec._confidence = dev(spec.drafts), dev(spec._confidence)
+    if spec.rows is not None:
+        for name in ("token_ids", "hidden", "meta", "rows"):
+            setattr(spec.rows, name, dev(getattr(spec.rows, name)))
+
+
+# ------------------------------------------------------------------ no host sync
+def test_the_stand_in_catches_host_reads():
+    t = dev(torch.arange(4))
+    with no_host_sync(), pytest.raises(HostRead):
+        t.tolist()
+    with no_host_sync(), pytest.raises(HostRead):
+        torch.empty(4, dtype=torch.int64).copy_(t)
+
+
+def test_v2_step_never_syncs(vllm_config, tp_group, ngram_server, monkeypatch):
+    sim = DeviceSim()
+    spec = _speculator(vllm_config, sim, ngram_server.address, monkeypatch,
+                       VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS="20000")
+    try:
+        _own_buffers_as_device(spec)
+        a = [7, 8, 9, 10, 11] * 3 + [1, 2, 3]
+        p = [5, 6, 7, 8] * 10
+        h = [3, 1, 4, 1, 5, 9, 2, 6]
+        sim.add("a", a)
+        sim.add("p", p)
+        sim.add("h", h, num_computed=4)                 # prefix-cache hit: its history is copied too
+        # a deferred mid-prefill chunk alone (nothing waits for the server)
+        d = sim.propose(spec, [Sched("p", 0, p[:16], next_prompt=p[16])])
+        assert d.tolist() == [[0] * K]
+        # a proposing prefill, a mid-prefill chunk and a prefix-cache hit in one step
+        d = sim.propose(spec, [Sched("a", 0, a, sampled=7), Sched("p", 16, p[16:32], next_prompt=p[32]),
+                               Sched("h", 4, h[4:], sampled=3)])
+        assert d.tolist()[0] == expected_v2(a, 7) and d.tolist()[1] == [0] * K
+        # decode with partial acceptance (2 of 4 drafts; the 99s are rejected rows)
+        d = sim.propose(spec, [Sched("a", 18, [7, 8, 9, 99, 99], sampled=5, rejected=2, drafts=4),
+                               Sched("p", 32, p[32:], sampled=5)])
+        assert d.tolist() == [expected_v2(a + [7, 8, 9], 5), expected_v2(p, 5)]
+        assert not spec.stats()["adapter"].get("failures")
+        assert server_stats(spec)["errors"] == {}
+    finally:
+        spec.close()
+
+
+# --------------------------------------------------------------------- memory
+def test_v2_buffers_allocated_before_profiling(speculator, sim, vllm_config):
+    facts = speculator.core.session.facts
+    rows = speculator.rows
+    assert rows.hidden.shape == (vllm_config.scheduler_config.max_num_batched_tokens + 1, facts.context_width)
+    assert rows.token_ids.shape == (MAX_TOKENS + 1,) and rows.meta.shape[1] == vllm_config.scheduler_config.max_num_seqs
+    before = {name: getattr(rows, name).data_ptr() for name in ("token_ids", "hidden", "meta")}
+    a = [1, 2, 3, 4, 1, 2, 3] * 30
+    sim.add("a", a[:200])
+    sim.propose(speculator, [Sched("a", 0, a[:100], next_prompt=a[100])])          # deferred chunk
+    sim.propose(speculator, [Sched("a", 100, a[100:200], sampled=4)])              # propose
+    speculator.flush()
+    assert {name: getattr(rows, name).data_ptr() for name in before} == before     # nothing reallocated
+    ring = speculator.core.session.client.ring
+    assert all(not slot.device for slot in ring.slots)        # the transport made no device buffer of its own
+
+
+def test_the_drafts_broadcast_uses_a_communicator_vllm_set_up():
+    from k3_accel.vllm.spec_decode.session import broadcaster
+
+    one = types.SimpleNamespace(world_size=1)
+    broadcaster(one, torch.device("cuda"))(torch.zeros(1))         # one rank: nothing to do, nothing made
+    no_nccl = types.SimpleNamespace(world_size=2, device_communicator=types.SimpleNamespace(pynccl_comm=None))
+    with pytest.raises(RuntimeError, match="PyNCCL"):
+        broadcaster(no_nccl, torch.device("cuda"))
+    sent = []
+    nccl = types.SimpleNamespace(disabled=False, broadcast=lambda t, src: sent.append((t, src)))
+    group = types.SimpleNamespace(world_size=2, device_communicator=types.SimpleNamespace(pynccl_comm=nccl))
+    t = torch.zeros(2)
+    broadcaster(group, torch.device("cuda"))(t)
+    assert sent == [(t, 0)]
+
+
+# ------------------------------------------------------------------- warm-up
+def test_v2_warmup_sends_nothing(speculator, sim):
+    ids = [f"_warmup_{i}_" for i in range(2)] + ["_v2_mixed_warmup_decode_"]
+    for rid in ids:
+        sim.add(rid, [1, 2, 1, 2])
+    d = sim.propose(speculator, [Sched(rid, 0, [1, 2, 1, 2], sampled=1) for rid in ids])
+    assert d.tolist() == [[1] * K] * 3                       # no drafts (last sampled token)
+    ops = server_stats(speculator)["ops"]
+    assert not ops.get("ingest") and not ops.get("propose")
+    assert speculator.stats()["adapter"]["warmup_steps"] == 1
+    sim.add("real", [1, 2, 1, 2])                             # the first real step drafts
+    assert sim.propose(speculator, [Sched("real", 0, [1, 2, 1, 2], sampled=1)]).tolist() == [expected_v2([1, 2, 1, 2], 1)]
+
+
+def test_an_unreachable_server_does_not_delay_construction(vllm_config, tp_group, sim, monkeypatch):
+    from helpers.ports import free_port
+    started = time.monotonic()
+    spec = _speculator(vllm_config, sim, f"tcp://127.0.0.1:{free_port()}", monkeypatch,
+                       VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS="30000")
+    try:
+        built = time.monotonic() - started
+        sim.add("a", [1, 2, 1, 2])
+        d = sim.propose(spec, [Sched("a", 0, [1, 2, 1, 2], sampled=1)])
+        assert d.tolist() == [[1] * K]
+        assert client_stats(spec, ready=False)["state"] != "ready"
+    finally:
+        spec.close()
+    assert built < 30                  # the 30 s hello timeout is not spent in the runner's __init__
+
+
+# ------------------------------------------------------------ slow and restarted servers
+def test_propose_timeout_is_step_sized(monkeypatch):
+    from k3_accel.config import load_config
+    from k3_accel.transport.api import ClientSettings
+
+    cfg = load_config(environ={"VLLM_K3_DRAFT_REMOTE_ADDRESS": "tcp://127.0.0.1:1"})
+    s = ClientSettings.from_config(cfg)
+    assert s.propose_timeout_s <= 0.1 < 10 <= s.timeout_s          # tens of ms vs the control timeout
+    cfg = load_config({"k3_accel": {"draft_address": "tcp://127.0.0.1:1", "draft_propose_timeout_ms": 250}}, {})
+    assert ClientSettings.from_config(cfg).propose_timeout_ms == 250
+
+
+def test_a_late_reply_costs_the_step_not_the_request(client_factory):
+    """A propose whose reply comes after the propose timeout: that step has no drafts, the
+    request is not disabled, and the next step drafts from the full context."""
+    from helpers.relay import Relay
+    from helpers.steps import step
+    from helpers.v2_sim import expected
+
+    server = ServerProcess("--engine", "ngram")
+    relay = Relay(server.address)
+    try:
+        client = client_factory(relay.address, propose_timeout_ms=1000)
+        hist = [1, 2, 3, 1, 2]
+        out = client.step(step(["r"], [(0, hist)], anchors=[3], k=3))
+        assert out.drafts.tolist() == [expected(hist, 3, 3)]
+        relay.pause()                                          # the next reply comes late
+        out = client.step(step(["r"], [(5, [3])], anchors=[1], k=3))
+        relay.resume()
+        assert out.drafts.tolist() == [[-1, -1, -1]]
+        assert not client.is_disabled("r")
+        out = client.step(step(["r"], [(6, [1])], anchors=[2], k=3))
+        assert out.drafts.tolist() == [expected(hist + [3, 1], 2, 3)]
+        assert client.stats()["counters"]["late_proposals"] == 1
+    finally:
+        relay.close()
+        server.stop()
+
+
+def test_requests_draft_again_after_server_restart(vllm_config, tp_group, sim, monkeypatch):
+    server = ServerProcess("--engine", "ngram")
+    spec = _speculator(vllm_config, sim, server.address, monkeypatch, VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS="20000")
+    try:
+        a = [4, 5, 6, 4, 5, 6, 4, 5]
+        sim.add("a", a)
+        assert sim.propose(spec, [Sched("a", 0, a, sampled=6)]).tolist() == [expected_v2(a, 6)]
+        server.stop()
+        server = ServerProcess("--engine", "ngram", "--port", server.address.rsplit(":", 1)[1])
+        hist, got = a + [6], None
+        for _ in range(60):                               # decode on; the request must draft again
+            sim.req_states.all_token_ids.gpu[sim.req_states.req_id_to_index["a"], :len(hist)] = \
+                torch.tensor(hist, dtype=torch.int32)
+            tok = hist[-3]
+            got = sim.propose(spec, [Sched("a", len(hist) - 1, [hist[-1]], sampled=tok)]).tolist()
+            hist.append(tok)
+            if got == [expected_v2(hist[:-1], tok)] and got != [[tok] * K]:
+                break
+            time.sleep(0.1)
+        assert got == [expected_v2(hist[:-1], hist[-1])]
+        assert client_stats(spec)["counters"].get("rearmed_requests", 0) >= 1
+    finally:
+        spec.close()
+        server.stop()
+
+
+# ----------------------------------------------------------- no draft, no cost
+def test_no_drafts_schedules_no_spec_tokens_v2(speculator, sim):
+    """V2: vLLM's adaptive verification sizes each request's verification from the speculator's
+    per-position confidence; a position without a draft has 0 and is never admitted."""
+    from vllm.v1.worker.gpu.spec_decode.adaptive_verification import _assign_draft_token_budget
+
+    a, b = [1, 2, 3, 1, 2], [9, 8, 7, 6, 5]                   # b: no repeated n-gram, no draft
+    sim.add("a", a)
+    sim.add("b", b)
+    sim.propose(speculator, [Sched("a", 0, a, sampled=3), Sched("b", 0, b, sampled=4)])
+    from helpers.v2_sim import expected
+    real = [float(t >= 0) for t in expected(a, 3)]
+    assert 0 < sum(real) and expected(b, 4) == [-1] * K
+    conf = speculator.draft_token_confidence_probs[:2]
+    assert conf[0].tolist() == real and conf[1].tolist() == [0.0] * K
+    capacities = torch.full((2,), K, dtype=torch.int32)
+    budget = int(sum(real))                                   # room for as many drafts as came
+    _assign_draft_token_budget(speculator.draft_token_confidence_probs, torch.arange(2), capacities, budget, K)
+    assert capacities.tolist() == [budget, 0]                 # b is verified as a plain decode
+
+
+def test_no_drafts_schedules_no_spec_tokens_v1():
+    """V1: the drafts the scheduler gets end at the first -1, so vLLM's scheduler gives a request
+    without drafts no spec tokens (its real ``update_draft_token_ids``)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import DraftTokenIds
+
+    from k3_accel.vllm.spec_decode.hooks import _wrap_take_drafts
+
+    runner = types.SimpleNamespace(drafter=types.SimpleNamespace(is_remote_drafter=True))
+    take = _wrap_take_drafts(lambda self: DraftTokenIds(["a", "b", "c"], [[5, 6, -1], [-1, -1, -1], [7, 8, 9]]))
+    drafts = take(runner)
+    reqs = {rid: types.SimpleNamespace(is_finished=lambda: False, is_prefill_chunk=False, spec_token_ids=[])
+            for rid in "abc"}
+    sched = types.SimpleNamespace(requests=reqs, structured_output_manager=types.SimpleNamespace(
+        validate_tokens=lambda request, ids: ids))
+    Scheduler.update_draft_token_ids(sched, drafts)
+    assert [reqs[r].spec_token_ids for r in "abc"] == [[5, 6], [], [7, 8, 9]]
+    local = types.SimpleNamespace(drafter=object())           # a runner drafting locally is untouched
+    assert take(local).draft_token_ids[1] == [-1, -1, -1]
+
+
+# ----------------------------------------------------------------- start-up
+@pytest.mark.parametrize("hf, want", [
+    ({"dflash_config": {"target_layer_ids": [2, 0]}}, (0, 2)),
+    ({"dflash_config": {"target_layer_ids": [1, 1, 3]}}, (1, 3)),
+    ({"eagle_aux_hidden_state_layer_ids": [3, 5], "dflash_config": {"target_layer_ids": [0, 1]}}, (2, 4)),
+    ({"target_layer_ids": [4, 0]}, (0, 4)),
+    ({"dflash_config": {"layer_ids": [2, 4]}}, (1, 3)),
+])
+def test_v2_aux_layer_ids_follow_vllm(hf, want):
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    from k3_accel.vllm.spec_decode.session import aux_layer_ids
+
+    spec = types.SimpleNamespace(method="dflash", model="draft", draft_model_config=types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(**hf)))
+    ids = aux_layer_ids(spec)
+    assert ids == want
+    captured = tuple(sorted(set(get_eagle3_aux_layers_from_config(spec))))   # what vLLM captures
+    assert tuple(i + 1 for i in ids) == captured
+
+
+def test_v2_draft_tp_mismatch_starts(tmp_path, monkeypatch):
+    """TP=4 with a 6-head draft: vLLM alone refuses it; with a draft address the plugin makes the
+    (never run) draft's TP 1 and the config builds."""
+    import json
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from k3_accel.testing.tiny import write_tiny_dflash, write_tiny_target
+    from k3_accel.vllm.spec_decode import hooks
+
+    target = write_tiny_target(str(tmp_path / "target"), vocab_size=512, hidden_size=128, dtype="bfloat16",
+                               num_heads=8, num_kv_heads=4, head_dim=16)
+    draft = write_tiny_dflash(str(tmp_path / "draft"), target, target_layer_ids=(0, 2), dtype="bfloat16")
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["num_attention_heads"], cfg["num_key_value_heads"] = 6, 6
+    (draft / "config.json").write_text(json.dumps(cfg))
+    hooks.install_draft_tp()
+
+    def build(extra):
+        args = EngineArgs(model=str(target), max_model_len=256, max_num_seqs=4, enforce_eager=True,
+                          tensor_parallel_size=4, distributed_executor_backend="mp", additional_config=extra,
+                          speculative_config={"method": "dflash", "model": str(draft), "num_speculative_tokens": 4})
+        from vllm.config import ParallelConfig
+        return args.create_speculative_config(args.create_model_config(), ParallelConfig(tensor_parallel_size=4))
+
+    monkeypatch.delenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", raising=False)
+    with pytest.raises(Exception, match="divisible"):
+        build({})
+    spec = build({"k3_accel": {"draft_address": "tcp://127.0.0.1:5557"}})
+    assert spec.draft_tensor_parallel_size == 1
