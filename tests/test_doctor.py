@@ -8,6 +8,9 @@ import sys
 import pytest
 
 from helpers.server import ServerProcess, src_env
+from helpers.steps import wait_until
+from helpers.wire import Wire
+from k3_accel.protocol import Bye, Stats
 from k3_accel.testing.tiny import write_tiny_dflash, write_tiny_target
 
 
@@ -90,3 +93,22 @@ def test_doctor_leaves_nothing_behind_on_the_server(ngram, checkpoints):
         assert stats["active"] == 0 and stats["retained"] == 0
     finally:
         wire.close()
+
+
+def test_doctor_reports_the_fair_share_this_target_would_get_now(ngram, checkpoints):
+    target, _ = checkpoints
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    busy = Wire(ngram.address)
+    try:
+        blocks = busy.caps.pool_blocks
+        assert wait_until(lambda: not any(s["active"] or s["retained"]       # earlier doctors are gone
+                                          for s in busy.call(Stats()).result["sessions"].values()))
+        run = doctor(ngram.address, target, spec)
+        assert f"fair share now: {blocks} of {blocks} pool blocks" in run.stdout, run.stdout   # alone: all
+        busy.ingest([(0, 0, [1, 2, 3])]).raise_for_error()                  # another target holds a context
+        run = doctor(ngram.address, target, spec)
+        assert run.returncode == 0 and f"fair share now: {blocks // 2} of {blocks} pool blocks" in run.stdout
+        assert "2048 of 4096 requests guaranteed (weight 1)" in run.stdout
+    finally:
+        busy.call(Bye())
+        busy.close()

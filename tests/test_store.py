@@ -87,7 +87,18 @@ class Model:
                 self.retained.pop((key, handle), None)
                 self.retained[(key, handle)] = ctx
                 while len(self.retained) > MAX_RETAINED:
-                    self.retained.popitem(last=False)
+                    del self.retained[self.retained_victim(key)]
+
+    def retained_victim(self, key):
+        """The fair-share rule for the retained table (equal weights): the table is divided among
+        the sessions holding something and the one retiring; the least recent context of a
+        session over its share, and at least as far over as the one retiring, goes."""
+        holders = {k for k in KEYS if self.active[k] or any(r[0] == k for r in self.retained)} | {key}
+        count = {k: sum(r[0] == k for r in self.retained) for k in KEYS}
+
+        def over(k):                                   # scaled by the number of holders
+            return count[k] * len(holders) - MAX_RETAINED
+        return next(r for r in self.retained if over(r[0]) > 0 and over(r[0]) >= over(key))
 
     def clear(self, key):
         self.active[key] = {}
@@ -190,13 +201,24 @@ def test_small_pool_refuses_without_changing_what_it_refuses(sequence, blocks):
                 stored = list(old[0][0]) if old else []
                 assert new[0][0] == tuple(stored[:start] + toks) and (key, handle, "active") in after
         mine = lambda ident: ident[0] == key and ident[1] in named   # noqa: E731
-        for ident, value in before.items():    # the others lose at most a retained context
-            if not mine(ident):
-                assert after[ident] == value if ident in after else ident[2] == "retained"
+        over = _over_share(before, blocks, key)
+        for ident, value in before.items():    # the others lose a retained context, or an active
+            if not mine(ident):                # one only when they held more than their share
+                assert after[ident] == value if ident in after else (ident[2] == "retained" or ident[0] in over)
         assert all(mine(ident) for ident in after.keys() - before.keys())
-        if "CAPACITY" in failed.values():      # refused only once nothing evictable was left
-            assert all(k == key and h in named for k, h in svc.store.retained)
+        if any("pool full" in m for _, _, m in reply.failures):   # its own retained contexts went first
+            assert all(h in named for k, h in svc.store.retained if k == key)
         svc.check_pool()
+
+
+def _over_share(snapshot: dict, blocks: int, asking: str) -> set[str]:
+    """Sessions holding more distinct pool blocks than an equal share among the sessions holding
+    anything and ``asking``."""
+    held: dict[str, set] = {}
+    for (key, _, _), (_, table, _) in snapshot.items():
+        held.setdefault(key, set()).update(table)
+    holders = len(held.keys() | {asking})
+    return {key for key, ids in held.items() if len(ids) * holders > blocks}
 
 
 def test_capacity_boundary_is_exact_and_retained_contexts_go_first():

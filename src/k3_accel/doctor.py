@@ -142,6 +142,19 @@ def _check(client, needs: handshake.TargetNeeds, max_batched_tokens: int, report
     else:
         report.good(f"message limit {caps.max_message_bytes / 2**20:.0f} MiB holds a full step "
                     f"({largest / 2**20:.1f} MiB)")
+    _fair_share(caps, report)
+
+
+def _fair_share(caps, report: Report) -> None:
+    """The share of the server this target would be guaranteed now (hello says, for a new session)."""
+    if not caps.fair_share:
+        report.note("fair share: this server guarantees no share of its pool (an older server): another "
+                    "busy target can leave this one without drafts")
+        return
+    mib = caps.share_blocks * caps.pool_bytes / max(caps.pool_blocks, 1) / 2**20
+    report.good(f"fair share now: {caps.share_blocks} of {caps.pool_blocks} pool blocks ({mib:.1f} MiB) and "
+                f"{caps.share_requests} of {caps.max_requests_total} requests guaranteed (weight "
+                f"{caps.share_weight}); unused room beyond it may be borrowed")
 
 
 def _time(client, needs: handshake.TargetNeeds, n: int, report: Report) -> None:

@@ -178,6 +178,10 @@ class Caps(msgspec.Struct, frozen=True, kw_only=True):
     pool_blocks: int = 0
     pool_bytes: int = 0
     lease_s: float = 0.0                 # idle time after which a session is reclaimed (0 = never)
+    fair_share: bool = False             # the pool, requests and retained contexts are shared fairly
+    share_weight: int = 0                # this session's weight in that division (fair_share only)
+    share_blocks: int = 0                # pool blocks this session was guaranteed at hello
+    share_requests: int = 0              # active requests it was guaranteed at hello
     protocol: int = PROTOCOL_VERSION
 
 

@@ -19,6 +19,7 @@ from k3_accel.server.loop import ServerLoop
 from k3_accel.server.metrics import ServerMetrics
 from k3_accel.server.security import CurveGuard, SecurityError, check_bind
 from k3_accel.server.service import DraftService
+from k3_accel.server.share import parse_weight
 from k3_accel.server.state import RequestStore
 
 log = logging.getLogger("k3_accel.server")
@@ -69,6 +70,13 @@ def _float_min(low: float):
     return parse
 
 
+def _weight(text: str) -> tuple[str, int]:
+    try:
+        return parse_weight(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="k3-draft-server", description=__doc__,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -96,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "clients send a heartbeat every 2 s while idle")
     ap.add_argument("--max-retained-requests", type=_int_in(0), default=64,
                     help="freed requests kept for reconnect (LRU)")
+    ap.add_argument("--session-weight", type=_weight, action="append", default=[], metavar="NAME=W",
+                    help="fair-share weight (1..1000, default 1) of the sessions whose CURVE client public key "
+                         "or hello label (vLLM: vllm-dpN) is NAME; repeatable. The pool, --max-requests-total "
+                         "and --max-retained-requests are divided among the sessions holding contexts in "
+                         "proportion to their weights")
     ap.add_argument("--num-speculative-tokens", type=_int_in(1, 64), default=16,
                     help="largest K a client may ask for")
     ap.add_argument("--block-size", type=_int_in(1), default=16, help="reconnect granularity in tokens")
@@ -184,7 +197,7 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> None:
         engine = build_engine(args)
         store = RequestStore(engine, max_requests=min(args.max_requests, args.max_requests_total),
                              max_requests_total=args.max_requests_total,
-                             max_retained=args.max_retained_requests)
+                             max_retained=args.max_retained_requests, weights=dict(args.session_weight))
         service = DraftService(engine, store, metrics, max_message_bytes=args.max_message_mb * MIB,
                                lease_s=args.lease_s)
         endpoints = [f"tcp://{_bracket(args.host)}:{args.port}"]

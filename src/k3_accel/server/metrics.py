@@ -46,6 +46,15 @@ class ServerMetrics:
         self.pool_total = Gauge("k3_draft_pool_blocks", "Context blocks in the pool", registry=r)
         self.session_active = Gauge("k3_draft_session_active_requests", "Active requests, by session",
                                     ["session"], registry=r)
+        self.session_blocks = Gauge("k3_draft_session_pool_blocks", "Pool blocks held, by session",
+                                    ["session"], registry=r)
+        self.session_share = Gauge("k3_draft_session_pool_share_blocks",
+                                   "Pool blocks the session is guaranteed now (its fair share)", ["session"],
+                                   registry=r)
+        self._gave_back = PCounter("k3_draft_session_gave_back",
+                                   "Times a session over its fair share gave room back to one within its own, "
+                                   "by what it gave (retained context, active request)", ["session", "kind"],
+                                   registry=r)
         self._by_op: dict[str, tuple] = {}     # op -> its (messages, latency) children
         self._by_code: dict[str, PCounter] = {}
         self._session_names: set[str] = set()
@@ -59,7 +68,7 @@ class ServerMetrics:
         self.engine_batches = 0
         self.sessions_reclaimed = 0
 
-    def _add(self, kind: str, label: str, value: float) -> None:
+    def _add(self, kind: str, label: str | tuple[str, ...], value: float) -> None:
         with self._lock:
             self._pending.append((kind, label, value))
 
@@ -88,6 +97,9 @@ class ServerMetrics:
         self._add("proposed", "", requests)
         self._add("tokens", "", tokens)
 
+    def gave_back(self, session: str, kind: str) -> None:
+        self._add("gave_back", (self.session_label(session), kind), 1)
+
     def reclaimed(self, session: str) -> None:
         self.sessions_reclaimed += 1
         self._add("reclaimed", session, 1)
@@ -110,6 +122,8 @@ class ServerMetrics:
                 child.inc()
             elif kind == "session":
                 self._session_messages.labels(label).inc()
+            elif kind == "gave_back":
+                self._gave_back.labels(*label).inc(value)
             elif kind == "closed":
                 self._end_series(label)
             else:
@@ -135,11 +149,14 @@ class ServerMetrics:
             self._add("closed", name, 0)
 
     def _end_series(self, name: str) -> None:
-        for family in (self._session_messages, self.session_active):
-            try:
-                family.remove(name)
-            except KeyError:
-                pass
+        for family, labels in ((self._session_messages, [(name,)]), (self.session_active, [(name,)]),
+                               (self.session_blocks, [(name,)]), (self.session_share, [(name,)]),
+                               (self._gave_back, [(name, "retained"), (name, "active")])):
+            for values in labels:
+                try:
+                    family.remove(*values)
+                except KeyError:
+                    pass
 
     def refresh(self, summary: Callable[[], dict]) -> None:
         """Set the gauges from the store's summary (called when /metrics is read)."""
@@ -149,11 +166,15 @@ class ServerMetrics:
         self.sessions.set(len(s["sessions"]))
         self.pool_total.set(s["pool_blocks"])
         self.pool_used.set(s["pool_blocks"] - s["pool_free_blocks"])
-        per: Counter[str] = Counter()
+        per = {key: Counter() for key in ("active", "blocks", "share_blocks")}
         for name, info in s["sessions"].items():
-            per[self.session_label(name)] += info["active"]
+            label = self.session_label(name)
+            for key, counts in per.items():
+                counts[label] += info[key]
         for label in self._session_names | {"other"}:
-            self.session_active.labels(label).set(per.get(label, 0))
+            self.session_active.labels(label).set(per["active"].get(label, 0))
+            self.session_blocks.labels(label).set(per["blocks"].get(label, 0))
+            self.session_share.labels(label).set(per["share_blocks"].get(label, 0))
 
     def snapshot(self) -> dict:
         return {"ops": dict(self.ops), "errors": dict(self.errors), "ingested_rows": self.ingested_rows,

@@ -64,7 +64,7 @@ def reconnect(store: RequestStore, session: Session, handle: int, tokens: np.nda
     fill = wanted - length
     pool = engine.pool
     need = (pool.fork_needed(length) if source else 0) + pool.blocks_for(wanted) - pool.blocks_for(length)
-    store.make_room(need, keep=[s for s in (source,) if s is not None])
+    store.make_room(session, need, keep=[s for s in (source,) if s is not None])
     state = store.new_state(session, handle)
     if source is not None:
         state.engine_state = engine.fork(source.engine_state, length)

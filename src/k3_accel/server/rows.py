@@ -5,10 +5,11 @@ Checks come in two layers, both before any state changes:
 1. :func:`check_message` — the message as a whole (field ranges, row
    counts, hidden width and dtype, K, logits mode). A failure rejects the
    message with one typed error.
-2. :func:`admit` — each request on its own (context gap, non-finite rows,
-   anchor outside the vocabulary, request limits, pool room). A failure is
-   that request's alone: the others go on, and its stored context is left
-   exactly as it was.
+2. :func:`admit` — each request on its own (a request the server took back,
+   context gap, non-finite rows, anchor outside the vocabulary, request
+   limits, pool room). A failure is that request's alone: the others go on,
+   and its stored context is left exactly as it was. Making room may take
+   back what other sessions borrowed beyond their fair share (``state.py``).
 
 :func:`apply` then stores the admitted requests' rows with one engine call.
 Engines trust what reaches them.
@@ -163,7 +164,7 @@ class Admitted:
 
 def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
     """Per-request checks, request limits and pool room, in message order; changes nothing but
-    the retained LRU (never a context the message names)."""
+    what making room evicts (never a context the message names)."""
     out, engine = Admitted(), store.engine
     vocab = engine.caps.vocab_size
     bad = bad_rows(rows.hidden, rows.offsets) if rows.hidden is not None else None
@@ -179,6 +180,8 @@ def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
     for i, (handle, start, count) in enumerate(zip(handles, rows.starts.tolist(), rows.counts.tolist())):
         state = active.get(handle) or store.lookup(session, handle)
         try:
+            if state is None and session.evicted:
+                store.check_evicted(session, handle, start)
             length = state.length if state is not None else 0
             if start > length:
                 raise RequestError(ErrorCode.CONTEXT_GAP, f"request {handle}: rows start at {start}, "
@@ -198,7 +201,7 @@ def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
                 state = store.new_state(session, handle)
             if precise:
                 blocks = engine.blocks_needed(state.engine_state, start, count) if count else 0
-                store.make_room(total + blocks, keep=named)
+                store.make_room(session, total + blocks, keep=named)
         except RequestError as exc:
             out.fail(i, exc)
             continue

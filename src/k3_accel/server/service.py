@@ -63,7 +63,8 @@ class DraftService:
             max_requests_total=store.max_requests_total, max_message_bytes=max_message_bytes,
             pool_blocks=engine.pool.num_blocks,
             pool_bytes=engine.pool.num_blocks * engine.pool.block_rows * engine.bytes_per_row,
-            lease_s=lease_s)
+            lease_s=lease_s, fair_share=True)
+        store.on_gave_back = lambda session, kind: metrics.gave_back(session.name, kind)
         self._handlers: dict[type, Callable] = {
             p.Ingest: self._ingest, p.Free: self._free, p.Clear: self._clear, p.Reconnect: self._reconnect,
             p.Ping: self._ping, p.Bye: self._bye, p.Stats: self._stats}
@@ -79,7 +80,10 @@ class DraftService:
             session = self.store.open_session(req.msg.session, req.msg.client, owner)
         except RequestError as exc:
             return None, self._done(req, p.error_reply(req.seq, self.server_id, exc.code, exc.message))
-        reply = Reply(req.seq, True, self.server_id, result=msgspec.to_builtins(self.caps))
+        shares = self.store.shares(session)
+        caps = msgspec.structs.replace(self.caps, share_weight=session.weight, share_blocks=shares["share_blocks"],
+                                       share_requests=shares["share_requests"])
+        reply = Reply(req.seq, True, self.server_id, result=msgspec.to_builtins(caps))
         return session, self._done(req, reply)
 
     def handle(self, session: Session, req: p.Request) -> Reply:
@@ -137,7 +141,14 @@ class DraftService:
     def start_batch(self, items: list[tuple[Session, p.Request]]) -> "Batch":
         """Store the rows of every message and launch the engine; the device may still be
         working when this returns (:meth:`Batch.done`, :meth:`Batch.finish`)."""
-        jobs = [self._prepare(session, req) for session, req in items]
+        jobs = []
+        try:
+            for session, req in items:       # what one message admits, a later one may not evict
+                jobs.append(self._prepare(session, req))
+                if jobs[-1].admitted is not None:
+                    self.store.in_flight.append(jobs[-1].admitted.states)
+        finally:
+            self.store.in_flight.clear()     # evictions happen only while messages are admitted
         live = [j for j in jobs if j.error is None and j.req.msg.k > 0 and j.admitted.index]
         by_k: dict[tuple, list[_Job]] = {}
         for job in live:

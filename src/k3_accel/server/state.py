@@ -3,22 +3,28 @@
 Each client session is a namespace: its requests are keyed by the integer
 handles it chose, and nothing it sends reaches another session's state.
 Retained contexts (finished requests kept as reconnect sources) form one LRU
-over all sessions; they are evicted when the LRU is full or when the
-engine's block pool needs room. Every rule about *which* request may hold
-*how much* lives here; what a message must look like is checked before
-(:mod:`k3_accel.server.rows`).
+over all sessions. The pool, the active requests and the retained contexts
+are shared fairly (:mod:`k3_accel.server.share`): a session may borrow what
+the others leave unused and gives it back when one within its share needs
+it: its retained contexts first (least recent first), then its newest active
+requests, which are *evicted* (their next rows get ``CAPACITY``). Every rule
+about *which* request may hold *how much* lives here; what a message must
+look like is checked before (:mod:`k3_accel.server.rows`).
 """
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from k3_accel.protocol import ErrorCode
 from k3_accel.server.engines.base import DraftEngine
+from k3_accel.server.share import Division, divide, gives_way, wanting_weight
+
+MAX_EVICTED_MARKS = 4096     # per session: evicted handles remembered (their next rows get CAPACITY)
 
 
 class RequestError(Exception):
@@ -57,21 +63,34 @@ class Session:
     key: str                                   # the secret the client declared in hello
     name: str                                  # "label#n": for logs, stats and metrics
     owner: str | None = None                   # CURVE public key (z85) bound at first hello
-    active: dict[int, RequestState] = field(default_factory=dict)
+    slot: int = 0                              # the pool's owner id for its blocks
+    weight: int = 1                            # its fair-share weight (--session-weight)
+    active: dict[int, RequestState] = field(default_factory=dict)   # in activation order
+    num_retained: int = 0
+    evicted: dict[int, str] = field(default_factory=dict)          # handle -> why it was taken back
+    gave_back: Counter = field(default_factory=Counter)            # "retained" | "active" -> times
     last_seen: float = field(default_factory=time.monotonic)
+
+    def wants_room(self) -> bool:
+        """Whether it counts when a table is divided: it holds a request or a context."""
+        return bool(self.active) or self.num_retained > 0
 
 
 class RequestStore:
     def __init__(self, engine: DraftEngine, *, max_requests: int, max_requests_total: int,
-                 max_retained: int):
+                 max_retained: int, weights: dict[str, int] | None = None):
         self.engine = engine
         self.max_requests = max_requests               # active per session
         self.max_requests_total = max_requests_total   # active over all sessions
         self.max_retained = max_retained
+        self.weights = dict(weights or {})             # client label or CURVE public key -> weight
         self.sessions: dict[str, Session] = {}
         self.retained: OrderedDict[tuple[str, int], RequestState] = OrderedDict()  # LRU, oldest first
         self.num_active = 0
+        self.in_flight: list[list[RequestState]] = []  # states of the engine batch being built
+        self.on_gave_back: Callable[[Session, str], None] | None = None
         self._sessions_opened = 0
+        self._free_slots: list[int] = []
 
     # ------------------------------------------------------------ sessions
     def open_session(self, key: str, label: str, owner: str | None) -> Session:
@@ -80,7 +99,9 @@ class RequestStore:
         if session is None:
             self._sessions_opened += 1
             name = f"{label or 'client'}#{self._sessions_opened}"
-            session = self.sessions[key] = Session(key, name, owner)
+            slot = self._free_slots.pop() if self._free_slots else self._sessions_opened
+            weight = self.weights.get(owner or "", self.weights.get(label, 1))
+            session = self.sessions[key] = Session(key, name, owner, slot, weight)
         elif session.owner is not None and session.owner != owner:
             raise RequestError(ErrorCode.NOT_OWNER, "this session belongs to another client key")
         session.last_seen = time.monotonic()
@@ -92,7 +113,8 @@ class RequestStore:
     def close_session(self, session: Session) -> int:
         """Free everything of ``session`` and forget it; returns the requests released."""
         released = self.clear(session)
-        self.sessions.pop(session.key, None)
+        if self.sessions.pop(session.key, None) is session:
+            self._free_slots.append(session.slot)
         return released
 
     def expired(self, lease_s: float, now: float | None = None) -> list[Session]:
@@ -105,50 +127,152 @@ class RequestStore:
         return session.active.get(handle) or self.retained.get((session.key, handle))
 
     def new_state(self, session: Session, handle: int) -> RequestState:
-        return RequestState(session, handle, self.engine.new_state())
+        state = RequestState(session, handle, self.engine.new_state())
+        self.engine.table(state.engine_state).owner = session.slot
+        return state
+
+    def check_evicted(self, session: Session, handle: int, start: int) -> None:
+        """CAPACITY for rows that continue a request the server took back (rows from 0 start anew)."""
+        if start > 0 and handle in session.evicted:
+            raise RequestError(ErrorCode.CAPACITY, f"request {handle}: {session.evicted[handle]}")
 
     def check_room(self, session: Session, new_active: int) -> None:
-        """TOO_MANY_REQUESTS unless ``new_active`` more requests fit the limits."""
+        """TOO_MANY_REQUESTS unless ``new_active`` more requests fit the limits; a session within
+        its share of the server's limit first takes requests back from sessions over theirs."""
         if len(session.active) + new_active > self.max_requests:
             raise RequestError(ErrorCode.TOO_MANY_REQUESTS,
                                f"{len(session.active)} requests active in this session, its limit is "
                                f"{self.max_requests}")
-        if self.num_active + new_active > self.max_requests_total:
+        total = self.max_requests_total
+        if self.num_active + new_active <= total:
+            return
+        share = self.division(total, session)
+        if share.over(len(session.active) + new_active, session.weight) <= 0:
+            self._take_back(session, lambda s: share.over(len(s.active), s.weight),
+                            lambda: self.num_active + new_active <= total, "the server's requests")
+        if self.num_active + new_active > total:
             raise RequestError(ErrorCode.TOO_MANY_REQUESTS,
-                               f"{self.num_active} requests active on the server, its limit is "
-                               f"{self.max_requests_total}")
+                               f"{self.num_active} requests active on the server, its limit is {total}; "
+                               f"this session's fair share is {share.guaranteed(session.weight)}")
 
     def activate(self, state: RequestState) -> None:
         """Make a new or retained state active."""
         session = state.session
         if session.active.get(state.handle) is state:
             return
-        self.retained.pop((session.key, state.handle), None)
+        self._pop_retained((session.key, state.handle))
         session.active[state.handle] = state
         self.num_active += 1
+        if session.evicted:
+            session.evicted.pop(state.handle, None)
+
+    # --------------------------------------------------------- fair shares
+    def division(self, size: int, asking: Session) -> Division:
+        """A table of ``size`` entries divided among the sessions that want room and ``asking``."""
+        return divide(size, self.sessions.values(), asking)
+
+    def shares(self, session: Session, wanting: int | None = None) -> dict[str, int]:
+        """What ``session`` is guaranteed now: pool blocks, active requests, retained contexts
+        (``wanting``: :func:`~k3_accel.server.share.wanting_weight`, when already known)."""
+        wanting = wanting_weight(self.sessions.values()) if wanting is None else wanting
+        sizes = {"share_blocks": self.engine.pool.num_blocks, "share_requests": self.max_requests_total,
+                 "share_retained": self.max_retained}
+        return {key: divide(size, (), session, wanting).guaranteed(session.weight) for key, size in sizes.items()}
+
+    def _protected(self, keep: Iterable[RequestState]) -> set[int]:
+        return {id(s) for s in keep} | {id(s) for states in self.in_flight for s in states}
+
+    def _take_back(self, asking: Session, over: Callable[[Session], int], enough: Callable[[], bool],
+                   what: str) -> None:
+        """Evict the newest active requests of the session furthest over its share (``over``)
+        until ``enough()`` or no other session is over; never a state of the batch being built."""
+        protected, spent = self._protected(()), set()
+        while not enough():
+            ranked = [(o, s) for s in self.sessions.values()
+                      if s is not asking and s.active and id(s) not in spent and (o := over(s)) > 0]
+            if not ranked:
+                return
+            victim = max(ranked, key=lambda item: item[0])[1]
+            state = next((st for st in reversed(victim.active.values()) if id(st) not in protected), None)
+            if state is None:
+                spent.add(id(victim))
+                continue
+            self._evict(state, f"taken back: its session was over its fair share of {what}, which a "
+                               f"session within its own needed (re-ingest it to draft again)")
+
+    def _evict(self, state: RequestState, why: str) -> None:
+        session = state.session
+        del session.active[state.handle]
+        self.num_active -= 1
+        self.engine.release(state.engine_state)
+        session.evicted[state.handle] = why
+        if len(session.evicted) > MAX_EVICTED_MARKS:
+            del session.evicted[next(iter(session.evicted))]
+        self._gave_back(session, "active")
+
+    def _gave_back(self, session: Session, kind: str) -> None:
+        session.gave_back[kind] += 1
+        if self.on_gave_back is not None:
+            self.on_gave_back(session, kind)
 
     # ---------------------------------------------------------------- pool
-    def make_room(self, blocks: int, keep: Iterable[RequestState] = ()) -> None:
-        """Evict least-recent retained contexts (not those in ``keep``) until the pool has
-        ``blocks`` free blocks; CAPACITY if it cannot."""
+    def make_room(self, session: Session, blocks: int, keep: Iterable[RequestState] = ()) -> None:
+        """Make ``blocks`` pool blocks free for ``session`` (never evicting a state in ``keep``):
+        retained contexts of sessions at least as far over their share as it (least recent first),
+        then its own; then, while it stays within its share, the newest active requests of the
+        sessions over theirs. CAPACITY if that is not enough."""
         pool = self.engine.pool
         if pool.free_blocks >= blocks:
             return
-        protected = {id(s) for s in keep}
-        for key in [k for k, s in self.retained.items() if id(s) not in protected]:
-            self._drop_retained(key)
-            if pool.free_blocks >= blocks:
-                return
-        raise RequestError(ErrorCode.CAPACITY,
-                           f"draft pool full: {blocks} block(s) needed, {pool.free_blocks} free of "
-                           f"{pool.num_blocks} (raise --memory-budget-mb or free requests)")
+        protected = self._protected(keep)
+        share = self.division(pool.num_blocks, session)
 
-    def _drop_retained(self, key: tuple[str, int]) -> None:
-        self.engine.release(self.retained.pop(key).engine_state)
+        def over(s: Session, extra: int = 0) -> int:
+            return share.over(pool.held(s.slot) + extra, s.weight)
+        for others in (True, False):
+            for key in [k for k, s in self.retained.items()
+                        if id(s) not in protected and (s.session is not session) == others]:
+                if others and not gives_way(over(session, blocks), over(self.retained[key].session)):
+                    continue
+                self._drop_retained(key, gave_back=others)
+                if pool.free_blocks >= blocks:
+                    return
+        if over(session, blocks) <= 0:
+            self._take_back(session, over, lambda: pool.free_blocks >= blocks, "the draft pool")
+        if pool.free_blocks < blocks:
+            raise RequestError(ErrorCode.CAPACITY,
+                               f"draft pool full: {blocks} block(s) needed, {pool.free_blocks} free of "
+                               f"{pool.num_blocks}; this session holds {pool.held(session.slot)}, its fair "
+                               f"share is {share.guaranteed(session.weight)} (raise --memory-budget-mb or "
+                               f"free requests)")
+
+    def _pop_retained(self, key: tuple[str, int]) -> RequestState | None:
+        state = self.retained.pop(key, None)
+        if state is not None:
+            state.session.num_retained -= 1
+        return state
+
+    def _drop_retained(self, key: tuple[str, int], gave_back: bool = False) -> None:
+        state = self._pop_retained(key)
+        self.engine.release(state.engine_state)
+        if gave_back:
+            self._gave_back(state.session, "retained")
+
+    def _retained_victim(self, asking: Session) -> tuple[str, int]:
+        """The retained context that goes when the table is full: the least recent one of the
+        sessions that give way to ``asking`` (itself, when it is the furthest over its share)."""
+        share = self.division(self.max_retained, asking)
+        mine = share.over(asking.num_retained, asking.weight)
+        for key, state in self.retained.items():
+            if gives_way(mine, share.over(state.session.num_retained, state.session.weight)):
+                return key
+        return next(iter(self.retained))
 
     # ----------------------------------------------------------- lifecycle
     def free(self, session: Session, handles: Iterable[int], retain: bool) -> None:
         for handle in handles:
+            if session.evicted:
+                session.evicted.pop(handle, None)
             state = session.active.pop(handle, None)
             if state is None:
                 if not retain and (session.key, handle) in self.retained:
@@ -162,13 +286,15 @@ class RequestStore:
         if not retain or self.max_retained <= 0 or state.length == 0:
             self.engine.release(state.engine_state)
             return
-        key = (state.session.key, state.handle)
-        old = self.retained.pop(key, None)
+        session = state.session
+        old = self._pop_retained((session.key, state.handle))
         if old is not None and old is not state:
             self.engine.release(old.engine_state)
-        self.retained[key] = state
+        self.retained[(session.key, state.handle)] = state
+        session.num_retained += 1
         while len(self.retained) > self.max_retained:
-            self._drop_retained(next(iter(self.retained)))
+            key = self._retained_victim(session)
+            self._drop_retained(key, gave_back=key[0] != session.key)
 
     def replace(self, old: RequestState | None, new: RequestState) -> None:
         """``new`` takes over ``old``'s handle (reconnect): ``old`` is released."""
@@ -178,7 +304,7 @@ class RequestStore:
                 del session.active[old.handle]
                 self.num_active -= 1
             elif self.retained.get((session.key, old.handle)) is old:
-                del self.retained[(session.key, old.handle)]
+                self._pop_retained((session.key, old.handle))
             self.engine.release(old.engine_state)
         self.activate(new)
 
@@ -190,26 +316,23 @@ class RequestStore:
             self.engine.release(state.engine_state)
         for key in [k for k in self.retained if k[0] == session.key]:
             self._drop_retained(key)
+        session.evicted.clear()
         return len(states)
 
     def sources(self, session: Session) -> Iterable[RequestState]:
         """Contexts a reconnect of ``session`` may reuse: its active and retained requests."""
         yield from session.active.values()
-        yield from (s for (key, _), s in self.retained.items() if key == session.key)
+        if session.num_retained:
+            yield from (s for (key, _), s in self.retained.items() if key == session.key)
 
     # --------------------------------------------------------------- stats
-    def held_blocks(self, session: Session) -> int:
-        table = self.engine.table
-        own = [*session.active.values(), *(s for (k, _), s in self.retained.items() if k == session.key)]
-        return sum(len(table(s.engine_state).blocks) for s in own)
-
     def summary(self) -> dict[str, Any]:
         pool = self.engine.pool
-        per = {}
+        per, wanting = {}, wanting_weight(self.sessions.values())
         for session in self.sessions.values():
-            retained = sum(1 for k in self.retained if k[0] == session.key)
-            per[session.name] = {"active": len(session.active), "retained": retained,
-                                  "blocks": self.held_blocks(session),
+            per[session.name] = {"active": len(session.active), "retained": session.num_retained,
+                                  "blocks": pool.held(session.slot), **self.shares(session, wanting),
+                                  "weight": session.weight, "gave_back": dict(session.gave_back),
                                   "idle_s": round(time.monotonic() - session.last_seen, 3)}
         return {"active": self.num_active, "retained": len(self.retained), "sessions": per,
                 "pool_blocks": pool.num_blocks, "pool_free_blocks": pool.free_blocks,

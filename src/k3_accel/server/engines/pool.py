@@ -8,6 +8,11 @@ blocks (reference counts) and copy at most a partial last block. A table
 never writes into a block it shares: :meth:`BlockPool.writable` swaps such
 a block for a private copy first (copy on write).
 
+Every block is counted against the owner of the table that allocated it
+(a table's ``owner``: the server's session slot; forks keep their source's
+owner), so :meth:`BlockPool.held` says how many distinct blocks an owner
+holds in O(1): the fair-share rule (:mod:`k3_accel.server.share`) reads it.
+
 No tensors here: an engine that stores rows in blocks passes a
 ``copy_block(src, dst, rows)`` callback; one that stores nothing in them
 (ngram) uses the pool for accounting only.
@@ -35,6 +40,7 @@ class BlockTable:
     """One request's context: rows ``0..length-1`` live in ``blocks`` in order."""
     blocks: list[int] = field(default_factory=list)
     length: int = 0
+    owner: int = 0               # whom its blocks are counted against (0: nobody in particular)
 
 
 class BlockPool:
@@ -45,6 +51,8 @@ class BlockPool:
         self._refs = np.zeros(num_blocks, dtype=np.int32)
         self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int64)   # a stack: low ids first
         self._top = num_blocks                                           # free ids: _free[:_top]
+        self._owner = np.zeros(num_blocks, dtype=np.int64)               # who allocated each block
+        self._held: dict[int, int] = {}                                  # owner -> blocks it holds
 
     # ------------------------------------------------------------- counts
     @property
@@ -57,6 +65,10 @@ class BlockPool:
 
     def blocks_for(self, rows: int) -> int:
         return -(-rows // self.block_rows)
+
+    def held(self, owner: int) -> int:
+        """Distinct blocks in use that ``owner``'s tables allocated."""
+        return self._held.get(owner, 0)
 
     def refcount(self, block: int) -> int:
         return int(self._refs[block])
@@ -79,7 +91,7 @@ class BlockPool:
         return max(0, need - freed)
 
     # --------------------------------------------------------- primitives
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, owner: int = 0) -> list[int]:
         if n > self._top:
             raise PoolExhausted(n, self._top)
         if n <= 0:
@@ -87,6 +99,8 @@ class BlockPool:
         out = self._free[self._top - n:self._top][::-1]
         self._top -= n
         self._refs[out] = 1
+        self._owner[out] = owner
+        self._held[owner] = self._held.get(owner, 0) + n
         return out.tolist()
 
     def release_blocks(self, blocks: list[int]) -> None:
@@ -98,6 +112,7 @@ class BlockPool:
             if left == 0:
                 self._free[self._top] = b
                 self._top += 1
+                self._held[int(self._owner[b])] -= 1
 
     # ------------------------------------------------------ table editing
     def truncate(self, table: BlockTable, length: int) -> None:
@@ -126,7 +141,7 @@ class BlockPool:
         if start % r:
             self._own_last(table, copy_block)
         end = start + count
-        table.blocks.extend(self.allocate(self.blocks_for(end) - len(table.blocks)))
+        table.blocks.extend(self.allocate(self.blocks_for(end) - len(table.blocks), table.owner))
         table.length = end
 
     def _own_last(self, table: BlockTable, copy_block: CopyBlock | None) -> None:
@@ -134,7 +149,7 @@ class BlockPool:
         last = table.blocks[-1]
         if self._refs[last] == 1:
             return
-        (fresh,) = self.allocate(1)
+        (fresh,) = self.allocate(1, table.owner)
         if copy_block is not None:
             copy_block(last, fresh, table.length % self.block_rows)
         self.release_blocks([last])
@@ -147,12 +162,12 @@ class BlockPool:
             raise ValueError(f"cannot fork {length} of {table.length} rows")
         full, partial = divmod(length, self.block_rows)
         shared = table.blocks[:full]
-        copied = self.allocate(1) if partial else []
+        copied = self.allocate(1, table.owner) if partial else []
         for b in shared:
             self._refs[b] += 1
         if partial and copy_block is not None:
             copy_block(table.blocks[full], copied[0], partial)
-        return BlockTable(shared + copied, length)
+        return BlockTable(shared + copied, length, table.owner)
 
     def fork_needed(self, length: int) -> int:
         return 1 if length % self.block_rows else 0
