@@ -300,6 +300,24 @@ def test_sizing_from_a_vllm_shaped_config():
     assert sizing_from_vllm_config(None).max_bytes is None
 
 
+def test_ring_sizes_include_v2s_speculative_decode_graphs():
+    """V2 captures uniform-decode graphs at token counts rounded up to 1 + K: the ring is
+    prepared for those too (an unprepared size is declined inside a graph)."""
+    from types import SimpleNamespace as NS
+
+    from k3_accel.vllm.tp.communicator import sizing_from_vllm_config
+
+    cfg = NS(model_config=NS(get_hidden_size=lambda: 1024, dtype=torch.bfloat16),
+             speculative_config=NS(draft_model_config=None, num_speculative_tokens=3),
+             scheduler_config=NS(max_num_batched_tokens=8192),
+             compilation_config=NS(cudagraph_capture_sizes=[1, 2, 6, 512], cudagraph_mode=NS(name="FULL")),
+             parallel_config=NS(use_ubatching=False))
+    tokens = [n // 1024 for n, _ in sizing_from_vllm_config(cfg).capture_sizes]
+    assert tokens == [1, 2, 4, 6, 8, 512]             # 1, 2 -> 4; 6 -> 8; 512 is a multiple of 4
+    cfg.speculative_config = None
+    assert [n // 1024 for n, _ in sizing_from_vllm_config(cfg).capture_sizes] == [1, 2, 6, 512]
+
+
 def _all(rank, world):
     """Every gloo case in one spawned group (importing vLLM in a child costs seconds); the
     custom-op case re-points the platform's hook, so it runs last."""

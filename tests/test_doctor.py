@@ -112,3 +112,22 @@ def test_doctor_reports_the_fair_share_this_target_would_get_now(ngram, checkpoi
     finally:
         busy.call(Bye())
         busy.close()
+
+
+def test_doctor_reads_the_aux_layers_and_the_draft_tp_as_the_plugin_does(tmp_path, checkpoints):
+    """Out-of-order and repeated layer ids become the ascending set the plugin ships; a draft whose
+    heads do not divide the target's TP gets a note (the plugin sets draft TP 1), not a failure."""
+    from k3_accel.doctor import draft_tp_note, target_needs
+
+    target, draft = checkpoints
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [2, 0, 2]
+    cfg["num_attention_heads"] = 6
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = {"method": "dflash", "model": str(tmp_path), "num_speculative_tokens": 4}
+    needs, spec_ns = target_needs(str(target), spec, 8)
+    assert needs.aux_layer_ids == (0, 2) and needs.context_width == 2 * needs.hidden_size
+    assert "not divisible by TP 4" in draft_tp_note(spec_ns, 4)
+    assert draft_tp_note(spec_ns, 2) is None and draft_tp_note(spec_ns, 1) is None
+    _, explicit = target_needs(str(target), {**spec, "draft_tensor_parallel_size": 1}, 8)
+    assert draft_tp_note(explicit, 4) is None

@@ -60,7 +60,7 @@ def test_install_is_lazy_and_idempotent():
         "assert cls.__init__ is init, 'patched twice'\n"
         "from vllm.v1.spec_decode.dflash import DFlashProposer\n"
         "assert gmr.DFlashProposer is DFlashProposer, 'names stay stock outside a remote runner build'\n"
-        "assert sorted(p.name for p in patching.applied('proposer_v1')) == ['__init__', 'shutdown']\n"
+        "assert sorted(p.name for p in patching.applied('proposer_v1')) == ['__init__', 'shutdown', 'take_draft_token_ids']\n"
         "patching.undo('proposer_v1')\n"
         "assert cls.__init__ is record.original and patching.patched(cls, '__init__') is None\n"
         "print('ok')\n")

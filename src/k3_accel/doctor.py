@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from k3_accel.transport import handshake
+from k3_accel.vllm.spec_decode.methods import HIDDEN_METHODS
+from k3_accel.vllm.spec_decode.session import aux_layer_ids
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "half": torch.float16, "float": torch.float32}
@@ -62,7 +64,8 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[handshake.TargetNeeds, Any]:
-    """The target's side of the checks, from its checkpoint and speculative config."""
+    """The target's side of the checks, from its checkpoint and speculative config (the aux
+    layers by the plugin's own rule: vLLM's resolution, ascending, each once)."""
     cfg = _read_json(Path(model) / "config.json", "target model")
     text = cfg.get("text_config", cfg)
     method = spec.get("method")
@@ -74,27 +77,44 @@ def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[h
     if spec.get("model"):
         draft = _read_json(Path(spec["model"]) / "config.json", "draft model (speculative_config.model)")
         archs = draft.get("architectures") or []
-        ids = (draft.get("dflash_config") or {}).get("target_layer_ids") or draft.get("target_layer_ids") or []
-        layers = tuple(int(i) for i in ids)
+        if method in HIDDEN_METHODS:
+            layers = aux_layer_ids(SimpleNamespace(method=method, model=spec["model"], draft_model_config=(
+                SimpleNamespace(hf_config=SimpleNamespace(**draft)))))
     hidden = int(text.get("hidden_size", 0))
     dtype = _DTYPES.get(str(text.get("torch_dtype") or text.get("dtype") or "bfloat16"), torch.bfloat16)
-    ships = method == "dflash"
+    ships = method in HIDDEN_METHODS
     needs = handshake.TargetNeeds(context_width=len(layers) * hidden if ships else 0, hidden_dtype=dtype,
                                   num_speculative_tokens=k, vocab_size=int(text.get("vocab_size", 0)),
                                   hidden_size=hidden if ships else 0, aux_layer_ids=layers if ships else (),
                                   max_requests=max_num_seqs)
-    spec_ns = SimpleNamespace(method=method, draft_model_config=SimpleNamespace(architectures=archs))
+    spec_ns = SimpleNamespace(method=method, draft_model_config=SimpleNamespace(architectures=archs),
+                              draft_heads=int(draft.get("num_attention_heads", 0)) if spec.get("model") else 0,
+                              draft_tp=spec.get("draft_tensor_parallel_size"))
     return needs, spec_ns
+
+
+def draft_tp_note(spec: Any, tensor_parallel_size: int) -> str | None:
+    """What to say when vLLM alone would refuse the draft at this TP (its heads do not divide it)."""
+    heads = getattr(spec, "draft_heads", 0)
+    if spec.method not in HIDDEN_METHODS or tensor_parallel_size <= 1 or not heads or spec.draft_tp is not None \
+            or heads % tensor_parallel_size == 0:
+        return None
+    return (f"draft TP: the draft config has {heads} attention heads, not divisible by TP {tensor_parallel_size}; "
+            f"vLLM alone refuses that, so k3-accel sets \"draft_tensor_parallel_size\": 1 (the draft never runs "
+            f"on the target). Write it into --speculative-config to be explicit.")
 
 
 def diagnose(address: str, needs: handshake.TargetNeeds, spec: Any, *, max_batched_tokens: int,
              curve_server_key: str | None = None, curve_client_key: str | None = None,
-             timeout_ms: int = 10000, round_trips: int = 20) -> Report:
+             timeout_ms: int = 10000, round_trips: int = 20, tensor_parallel_size: int = 1) -> Report:
     from k3_accel.transport.api import ClientSettings
     from k3_accel.transport.client import DraftClient
     from k3_accel.vllm.spec_decode.methods import unserved_reason
 
     report = Report()
+    tp_note = draft_tp_note(spec, tensor_parallel_size)
+    if tp_note is not None:
+        report.note(tp_note)
     why = unserved_reason(spec)
     if why is not None:
         report.bad(f"speculative method: {why}; set method to dflash or ngram")
@@ -194,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     report = diagnose(args.address, needs, spec_ns, max_batched_tokens=args.max_num_batched_tokens,
                       curve_server_key=args.curve_server_key, curve_client_key=args.curve_client_key,
-                      timeout_ms=args.timeout_ms)
+                      timeout_ms=args.timeout_ms, tensor_parallel_size=args.tensor_parallel_size)
     verdict = ("VERDICT: vLLM would draft with this server." if report.ok else
                "VERDICT: vLLM would NOT draft with this server (it would run as stock vLLM, outputs "
                "unchanged). Fix the FAIL lines above.")
@@ -211,6 +231,7 @@ def add_parser(sub) -> None:
                      help='as for vLLM, e.g. \'{"method": "dflash", "model": "/models/draft", '
                           '"num_speculative_tokens": 7}\'')
     doc.add_argument("--max-num-seqs", type=int, default=1024, help="as for vLLM (default: 1024)")
+    doc.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="as for vLLM (default: 1)")
     doc.add_argument("--max-num-batched-tokens", type=int, default=8192, help="as for vLLM (default: 8192)")
     doc.add_argument("--curve-server-key", metavar="FILE", help="server public key (zmq.auth format)")
     doc.add_argument("--curve-client-key", metavar="FILE", help="this client's certificate with its secret key")

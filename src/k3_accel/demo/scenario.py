@@ -107,13 +107,19 @@ def run(scenario: Scenario) -> dict:
     return out
 
 
+# the plugin's step-sized propose deadline (50 ms) is for a GPU target; on this CPU engine the
+# draft server shares the target's cores and a propose takes tens of ms on its own
+CPU_PROPOSE_TIMEOUT_MS = 5000
+
+
 def _engine_kwargs(scenario: Scenario, r: Run, address: str | None) -> dict:
     kwargs = {"model": scenario.target, "enforce_eager": True, "disable_log_stats": False,
               **scenario.engine}
     if r.speculative is not None:
         kwargs["speculative_config"] = dict(r.speculative)
     if r.remote:
-        kwargs["additional_config"] = {"k3_accel": {"draft_address": address, **r.plugin}}
+        kwargs["additional_config"] = {"k3_accel": {"draft_address": address,
+                                                    "draft_propose_timeout_ms": CPU_PROPOSE_TIMEOUT_MS, **r.plugin}}
     return kwargs
 
 

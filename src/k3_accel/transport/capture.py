@@ -259,6 +259,22 @@ class CaptureWriter:
             files.close()
 
 
+def submit_step(writer: "CaptureWriter", ring: Any, inp: Any, plan: Any, slot: Any, ready: Any, hidden: bool,
+                telemetry: Any) -> None:
+    """Queue one capture record per request with rows in this step's staging ``slot``
+    (each holds the slot until it is written)."""
+    for i, d in zip(plan.order.tolist(), plan.dst.tolist()):
+        n = int(plan.counts[i])
+        if n == 0:
+            continue
+        start = int(plan.starts[i])
+        ring.hold(slot)
+        writer.submit(CaptureJob(
+            inp.req_ids[i], torch.arange(start, start + n), slot.token_ids[d:d + n],
+            slot.hidden[d:d + n] if hidden else None, release=lambda: ring.release(slot), ready=ready))
+        telemetry.count("capture_records")
+
+
 def read_capture(index_path: str | os.PathLike) -> list[dict[str, np.ndarray]]:
     """Load every record of one request's capture (for tests and offline tools)."""
     index_path = Path(index_path)

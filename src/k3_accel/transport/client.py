@@ -14,8 +14,11 @@ Per step (:meth:`DraftClient.step`):
 
 Messages over the server's size limit are split. Failures never raise out of
 :meth:`step` (except :class:`StepInputError` for an inconsistent input):
-they turn drafts into -1 and disable the affected requests until they leave
-the batch. Draft ids outside the target's vocabulary become "no draft".
+they turn drafts into -1 and disable the affected requests; those disabled
+only because the link was down draft again once it is back (their next rows
+bring their token history). A propose whose reply is later than
+``propose_timeout_ms`` leaves that step without drafts and nothing disabled.
+Draft ids outside the target's vocabulary become "no draft".
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from k3_accel.protocol import Reply
 from k3_accel.transport import layout
 from k3_accel.transport.api import ClientSettings, StepInput, StepOutput
 from k3_accel.transport.book import Record, RequestBook
-from k3_accel.transport.capture import CaptureJob, CaptureWriter
+from k3_accel.transport.capture import CaptureWriter, submit_step
 from k3_accel.transport.connection import Pending, ReplyLate
 from k3_accel.transport.failures import FailureKind, RingTimeout, StepInputError, TransportError
 from k3_accel.transport.link import Link, State
@@ -239,7 +242,7 @@ class DraftClient:
         self.telemetry.add("ring_wait", t1 - t0)
         self.telemetry.add("stage", time.perf_counter() - t1)
         if self._capture is not None:
-            self._submit_capture(inp, plan, slot, event, want_hidden)
+            submit_step(self._capture, self.ring, inp, plan, slot, event, want_hidden, self.telemetry)
         return slot, event
 
     def _progress(self, slot: Slot, left: float) -> None:
@@ -250,19 +253,6 @@ class DraftClient:
         else:
             self.ring.wait_change(min(left, 0.05))
 
-    def _submit_capture(self, inp: StepInput, plan: layout.RowPlan, slot: Slot, event, hidden: bool) -> None:
-        for i, d in zip(plan.order.tolist(), plan.dst.tolist()):
-            n = int(plan.counts[i])
-            if n == 0:
-                continue
-            start = int(plan.starts[i])
-            self.ring.hold(slot)
-            self._capture.submit(CaptureJob(
-                inp.req_ids[i], torch.arange(start, start + n), slot.token_ids[d:d + n],
-                slot.hidden[d:d + n] if hidden else None, release=lambda: self.ring.release(slot), ready=event))
-            self.telemetry.count("capture_records")
-
-    # -------------------------------------------------------------- sending
     # ------------------------------------------------------------- replies
     def _finish_step(self, inp: StepInput, out: StepOutput, plan: layout.RowPlan, pending: Pending | None) -> None:
         if pending is None:                # an ingest-only step without deferral: wait for it

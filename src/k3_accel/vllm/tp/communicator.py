@@ -65,7 +65,9 @@ class Sizing:
 def sizing_from_vllm_config(vllm_config) -> Sizing:
     """``max_bytes`` = max batched tokens × largest hidden size × 4 (fp32 reductions count).
 
-    Capture sizes = each CUDA-graph capture batch × hidden size, in the model dtype.
+    Capture sizes = each CUDA-graph capture batch × hidden size, in the model dtype, plus,
+    with speculative decoding, each batch rounded up to a multiple of 1 + K (the sizes V2
+    captures its uniform-decode graphs at).
     With ``enable_nccl_comm_suspend`` (sleep mode frees communicator memory) the
     ring stays out of CUDA graphs, so freeing and rebuilding it cannot leave a
     graph pointing at freed memory.
@@ -94,9 +96,20 @@ def sizing_from_vllm_config(vllm_config) -> Sizing:
     sizes = getattr(compilation, "cudagraph_capture_sizes", None) or []
     mode = getattr(compilation, "cudagraph_mode", None)
     if mode is None or str(getattr(mode, "name", mode)).upper() != "NONE":
-        captures = [(int(b) * hidden, dtype) for b in sizes if int(b) > 0]
+        captures = [(int(b) * hidden, dtype) for b in _graph_token_counts(sizes, spec, tokens)]
     in_graphs = not bool(getattr(model, "enable_nccl_comm_suspend", False))
     return Sizing(max_bytes, tuple(captures) if in_graphs else (), dtype, ring_in_graphs=in_graphs)
+
+
+def _graph_token_counts(sizes, spec, max_tokens: int) -> List[int]:
+    """The token counts vLLM captures graphs at: each capture size and, with speculation, each
+    rounded up to a multiple of 1 + K (V2's uniform-decode graphs, ``cudagraph_utils``)."""
+    counts = {int(b) for b in sizes if int(b) > 0}
+    k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    if k > 0:
+        q = k + 1
+        counts |= {-(-b // q) * q for b in counts if -(-b // q) * q <= max(max_tokens, max(counts, default=0))}
+    return sorted(counts)
 
 
 def _hooks(overrides: "Overrides", cfg: K3Config) -> RouterHooks:

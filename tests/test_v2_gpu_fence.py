@@ -1,0 +1,122 @@
+"""On a GPU: the V2 step launches its context and returns; the compute stream, not the host,
+waits for the draft server's reply (``cuStreamWaitValue64`` on a host-written word).
+
+No vLLM needed: the batch is a stand-in with vLLM's ``InputBatch`` field names on CUDA;
+the draft server is a real ``k3-draft-server --engine ngram`` process reached through a
+relay that can hold replies back.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.relay import Relay
+from helpers.server import ServerProcess
+from helpers.standin import dev, no_host_sync
+from helpers.steps import settings
+from helpers.v2_sim import expected
+
+pytestmark = pytest.mark.gpu
+K = 4
+
+
+def _spin(ms: float) -> None:
+    """Keep the current stream busy for about ``ms`` milliseconds."""
+    torch.cuda._sleep(int(ms * 1.98e6 / 1000 * 1000))
+
+
+def test_the_stream_waits_for_the_host_word_and_the_host_does_not():
+    from k3_accel.vllm.spec_decode.fence import StreamFence
+
+    dev_ = torch.device("cuda")
+    fence = StreamFence(dev_)
+    reply = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+    out = torch.zeros(4, dtype=torch.int64, device=dev_)
+    stream = torch.cuda.current_stream()
+    t0 = time.perf_counter()
+    fence.enqueue(1, stream)
+    out.copy_(reply, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(stream)
+    launched = time.perf_counter() - t0
+    time.sleep(0.2)
+    assert not done.query()                       # the GPU is still waiting for the word
+    reply.copy_(torch.arange(1, 5))
+    fence.signal(1)
+    done.synchronize()
+    assert out.tolist() == [1, 2, 3, 4]
+    assert launched < 0.1                          # the host only enqueued (a count, not a benchmark)
+    fence.close()
+    fence.enqueue(10 ** 9, stream)                 # released for good: never blocks again
+    torch.cuda.synchronize()
+
+
+def _batch(device, prompts: dict[str, list[int]]):
+    """An InputBatch stand-in: every request's whole prompt as one proposing chunk."""
+    ids = list(prompts)
+    counts = np.array([len(p) for p in prompts.values()], dtype=np.int32)
+    qsl = np.zeros(len(ids) + 1, dtype=np.int32)
+    np.cumsum(counts, out=qsl[1:])
+    tokens = torch.tensor([t for p in prompts.values() for t in p], dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(len(p)) for p in prompts.values()]).to(device)
+    slots = np.arange(len(ids))
+    return types.SimpleNamespace(
+        req_ids=ids, num_reqs=len(ids), idx_mapping=dev(torch.from_numpy(slots).to(device)),
+        idx_mapping_np=slots, query_start_loc=dev(torch.from_numpy(qsl).to(device)), query_start_loc_np=qsl,
+        input_ids=dev(tokens), positions=dev(positions), num_computed_tokens_np=np.zeros(len(ids), np.int32),
+        num_computed_prefill_tokens_np=np.zeros(len(ids), np.int32), prefill_len_np=counts,
+        num_scheduled_tokens=counts)
+
+
+def test_a_drafting_step_returns_before_the_reply_and_the_drafts_follow(client_factory):
+    from k3_accel.transport.client import DraftClient
+    from k3_accel.vllm.spec_decode.fence import StreamFence
+    from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
+    from k3_accel.vllm.spec_decode.v2_launch import DeviceRows, LaunchSlots, launch
+
+    device = torch.device("cuda")
+    server = ServerProcess("--engine", "ngram")
+    relay = Relay(server.address)
+    failures = []
+    pipe = DraftPipeline(DraftClient(settings(relay.address, num_speculative_tokens=K, propose_timeout_ms=5000)),
+                         StreamFence(device), 4, K, lambda kind, what: failures.append(kind))
+    try:
+        prompts = {"a": [1, 2, 3, 1, 2, 3, 1], "b": [5, 6, 7, 5, 6]}
+        anchors = [2, 7]
+        rows = DeviceRows(64, 0, torch.bfloat16, 4, device)
+        slots = LaunchSlots(2, 64, 0, torch.bfloat16, 4, pin=True)
+        last = dev(torch.tensor(anchors + [0, 0], dtype=torch.int64, device=device).reshape(4, 1))
+        nxt = dev(torch.zeros(1, 4, dtype=torch.int32, device=device))
+        out = torch.full((2, K), -1, dtype=torch.int64, device=device)
+        pipe.call(lambda c: c.server_stats(), timeout=30)          # connected
+        relay.pause()                                              # the reply will wait
+        _spin(50)                                                  # the "forward" still runs
+        batch = _batch(device, prompts)
+        t0 = time.perf_counter()
+        with no_host_sync():
+            step = launch(rows, slots, batch, None, dev(torch.ones(2, dtype=torch.int32, device=device)),
+                          dev(torch.zeros(2, dtype=torch.int32, device=device)), last, nxt, np.arange(2), K, {},
+                          None, 5.0)
+            seq = pipe.submit(step, propose=True)
+            pipe.fence.enqueue(seq, torch.cuda.current_stream())
+            out.copy_(pipe.reply_rows(seq, 2, K), non_blocking=True)
+        returned = time.perf_counter() - t0
+        done = torch.cuda.Event()
+        done.record()
+        time.sleep(0.3)
+        assert not done.query()                                    # drafts not in yet: the GPU waits
+        relay.resume()
+        done.synchronize()
+        want = [expected(prompts["a"], 2), expected(prompts["b"], 7)]
+        assert out.tolist() == want and failures == []
+        assert returned < 0.3                                      # the step did not wait for the relay
+    finally:
+        relay.resume()
+        pipe.close(10)
+        relay.close()
+        server.stop()
