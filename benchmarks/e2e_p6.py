@@ -1,0 +1,219 @@
+"""Issue 27, P6: end-to-end tokens/s with remote DFlash drafting / without speculation, in vLLM 0.33.
+
+On the GPU machine (``benchmarks/gpu/vllm_e2e.sh p6``). Target: Qwen3-8B's shape (36 layers,
+hidden 4096, 32/8 heads, ffn 12288, vocab 151936), bf16, vLLM's random ``dummy`` weights, with
+the final norm's weight zeroed after loading (``--head zero``, the default): every logit is then
+0 and greedy picks id 0 in every kernel and batch shape, so the recorded continuation is exactly
+what verification will sample (with random weights bf16 near-ties flip between batch shapes and
+the record would drift); every layer still computes in full. Draft: the oracle engine
+(``oracle_engine.py``) at the Qwen3-8B DFlash shape (5 layers, random, on the device): the DFlash
+engine's full step, then the recorded greedy continuation with vLLM's acceptance schedule. The
+draft server runs on the same GPU as the target (it competes with it).
+
+For each B in 1, 8, 32: B prompts of ``--prompt-len`` random ids, ``--tokens`` greedy tokens each;
+tokens/s = B x tokens / wall time of ``LLM.generate``. The first pass (no speculation) is timed
+and recorded; then one engine with remote drafting (K = 7) runs acceptance lengths 1, 4 and 6.5
+by rewriting the oracle's control file. ``summary.ratio`` = the B = 32 speed-up at length 4.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for path in (str(HERE), str(HERE.parent / "src")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+K = 7
+BATCHES = (1, 8, 32)
+LENGTHS = (1.0, 4.0, 6.5)
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+            "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+            "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
+            "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": False,
+            "sliding_window": None, "max_window_layers": 36, "bos_token_id": 151643,
+            "eos_token_id": 151645, "torch_dtype": "bfloat16"}
+
+
+def write_checkpoints(root: Path) -> tuple[str, str]:
+    """Config-only directories: the target (vLLM loads dummy weights) and the draft (the
+    target's vLLM reads only its config; the oracle server makes its weights on the device)."""
+    target, draft = root / "target", root / "draft"
+    for d in (target, draft):
+        d.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(QWEN3_8B))
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": 151645}))
+    from draft_step import config
+    c = config(quick=False)
+    (draft / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "attention_bias": False, "tie_word_embeddings": False, "vocab_size": c.vocab_size,
+        "target_hidden_size": c.hidden_size, "block_size": c.block_size, "torch_dtype": "bfloat16",
+        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
+                          "block_size": c.block_size}}))
+    return str(target), str(draft)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(target: str, draft: str, control: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    from k3_accel.demo.server import http_status
+    port, http = _free_port(), _free_port()
+    cmd = [sys.executable, str(HERE / "oracle_server.py"), "--oracle-control", str(control),
+           "--random-draft", "qwen3-8b", "--draft-model", draft, "--target-model", target,
+           "--device", "cuda", "--dtype", "bfloat16", "--num-speculative-tokens", str(K),
+           "--memory-budget-mb", "8192", "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http)]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"oracle server exited {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if http_status(f"http://127.0.0.1:{http}/readyz") == 200:
+                return proc, f"tcp://127.0.0.1:{port}"
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"oracle server not ready: {log.read_text()[-3000:]}")
+
+
+def _zero_head(worker) -> int:
+    runner = worker.model_runner
+    model = getattr(runner, "model", None) or getattr(runner, "get_model")()
+    n = 0
+    for name, p in model.named_parameters():
+        if name.endswith("model.norm.weight"):
+            p.data.zero_()
+            n += 1
+    return n
+
+
+def spec_counters(llm) -> dict:
+    out: dict = {}
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            out["drafts"] = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] = int(m.value)
+        elif m.name == "vllm:spec_decode_num_draft_tokens":
+            out["draft_tokens"] = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["per_pos"] = [int(v) for v in m.values]
+    return out
+
+
+def generate(llm, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+    from vllm import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def make_llm(target: str, args, **extra):
+    from vllm import LLM
+    llm = LLM(model=target, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=args.prompt_len + args.tokens + 64, max_num_seqs=32,
+              gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=False, seed=0, **extra)
+    if args.head == "zero":
+        assert llm.collective_rpc(_zero_head)[0] == 1
+    return llm
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", default="/tmp/k3-p6")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--head", choices=["zero", "dummy"], default="zero")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    args = ap.parse_args()
+    import numpy as np
+    import torch
+    from report import emit
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    target, draft = write_checkpoints(work)
+    rng = np.random.default_rng(0)
+    prompts = {b: rng.integers(1000, 150000, size=(b, args.prompt_len)).tolist() for b in BATCHES}
+    warm = rng.integers(1000, 150000, size=(8, 64)).tolist()
+    doc: dict = {"config": vars(args), "baseline": {}, "remote": {}}
+    llm = make_llm(target, args)
+    generate(llm, warm, 16)
+    for b in BATCHES:
+        secs, outs = generate(llm, prompts[b], args.tokens)
+        (work / f"record-{b}.json").write_text(json.dumps({"sequences": [p + o for p, o in zip(prompts[b], outs)]}))
+        doc["baseline"][b] = {"seconds": secs, "tokens_per_s": b * args.tokens / secs,
+                              "distinct_output_ids": len({t for o in outs for t in o})}
+        print(json.dumps({"baseline": b, **doc["baseline"][b]}), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    torch.cuda.empty_cache()
+    control = work / "control.json"
+    control.write_text(json.dumps({"length": 1.0, "record": str(work / "record-1.json")}))
+    server, address = start_server(target, draft, control, work / "oracle-server.log")
+    try:
+        llm = make_llm(target, args, speculative_config={"method": "dflash", "model": draft,
+                                                         "num_speculative_tokens": K},
+                       additional_config={"k3_accel": {"draft_address": address}})
+        generate(llm, warm, 16)
+        for length in LENGTHS:
+            for b in BATCHES:
+                control.write_text(json.dumps({"length": length, "record": str(work / f"record-{b}.json"),
+                                               "seed": b}))
+                time.sleep(0.01)
+                before = spec_counters(llm)
+                secs, outs = generate(llm, prompts[b], args.tokens)
+                after = spec_counters(llm)
+                rec = json.loads((work / f"record-{b}.json").read_text())["sequences"]
+                drafts = after.get("drafts", 0) - before.get("drafts", 0)
+                acc = after.get("accepted", 0) - before.get("accepted", 0)
+                per_pos = [a - c for a, c in zip(after.get("per_pos", []), before.get("per_pos", [0] * K))]
+                entry = {"seconds": secs, "tokens_per_s": b * args.tokens / secs,
+                         "speedup": (b * args.tokens / secs) / doc["baseline"][b]["tokens_per_s"],
+                         "identical_to_record": [p + o for p, o in zip(prompts[b], outs)] == rec,
+                         "drafts": drafts, "accepted": acc,
+                         "mean_acceptance_length": 1 + acc / drafts if drafts else None,
+                         "accepted_per_position": [x / drafts for x in per_pos] if drafts else []}
+                doc["remote"].setdefault(str(length), {})[b] = entry
+                print(json.dumps({"length": length, "B": b, **entry}), flush=True)
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        server.terminate()
+        server.wait(30)
+    r = doc["remote"]
+    speed = {L: {b: r[str(L)][b]["speedup"] for b in BATCHES} for L in LENGTHS}
+    doc["summary"] = {
+        "metric": "tokens/s with remote DFlash drafting (oracle, K=7, server on the same GPU) / without "
+                  "speculation, B=32, acceptance length 4",
+        "ratio": speed[4.0][32], "goal": ">= 2.0 at B=32 and >= 2.5 at B=1 for length 4",
+        "speedup": {str(L): {str(b): v for b, v in s.items()} for L, s in speed.items()},
+        "machine": f"1x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, vllm {__import__('vllm').__version__}",
+        "date": datetime.date.today().isoformat()}
+    emit(doc, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    sys.exit(main())
