@@ -103,3 +103,27 @@ def test_a_block_with_no_valid_row_is_an_error(sim):
     sim.add("z", [1, 2])
     with pytest.raises(ValueError, match="no valid context row"):
         _build(sim, [Sched("z", 0, [1, 2], sampled=3, rejected=2, drafts=2)])
+
+
+def test_trimmed_verification_rows_past_the_device_end_are_ignored(sim):
+    """With vLLM's adaptive verification the host's query_start_loc is an upper bound (the device's
+    is rewritten): padding rows past the device's end never become context."""
+    import dataclasses
+    sim.add("t", list(range(1, 10)))
+    ib, aux, ns, nr = sim.batch([Sched("t", 5, [6, 50, 51], sampled=7, rejected=1, drafts=2)])
+    pad = 3                                               # the host thinks 3 more rows were scheduled
+    ib = dataclasses.replace(
+        ib, query_start_loc_np=ib.query_start_loc_np + np.array([0, pad], dtype=np.int32),
+        input_ids=torch.cat([ib.input_ids, torch.full((pad,), 99, dtype=ib.input_ids.dtype)]),
+        positions=torch.cat([ib.positions, torch.arange(8, 8 + pad)]))
+    aux = [torch.cat([a, torch.full((pad, a.shape[1]), -7.0, dtype=a.dtype)]) for a in aux]
+    rs = sim.req_states
+    rows = v2_launch.DeviceRows(MAX_TOKENS, HIDDEN * len(AUX_LAYERS), torch.bfloat16, sim.max_num_reqs,
+                                torch.device("cpu"))
+    slots = v2_launch.LaunchSlots(2, MAX_TOKENS, HIDDEN * len(AUX_LAYERS), torch.bfloat16, sim.max_num_reqs,
+                                  pin=False)
+    step = v2_launch.launch(rows, slots, ib, aux, ns, nr, rs.last_sampled_tokens, rs.next_prefill_tokens,
+                            np.arange(1), K, {}, None, 1.0)
+    inp = step.step_input()
+    assert inp.counts == [2] and inp.token_ids.tolist() == [6, 50] and inp.positions.tolist() == [5, 6]
+    assert not (inp.hidden == -7.0).any() and inp.anchor_positions.tolist() == [7]

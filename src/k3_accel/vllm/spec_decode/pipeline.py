@@ -57,7 +57,7 @@ class DraftPipeline:
     def submit(self, launch: Any, propose: bool) -> int | None:
         """Queue a launched step; returns the fence value its drafts will be signalled with
         (None for an ingest-only step: nothing waits for it)."""
-        if self._closed:
+        if self._closed or not self._thread.is_alive():
             launch.release()
             raise PipelineClosed("the draft thread is closed")
         seq = None
@@ -132,12 +132,16 @@ class DraftPipeline:
     def _step(self, launch: Any, seq: int | None) -> None:
         rows = self.reply[seq % 2] if seq is not None else None
         try:
-            if rows is not None:
-                rows.fill_(-1)
             try:
+                # the slot's previous reply (step seq - 2) is copied to the device before this
+                # step's launch event: only then may it be overwritten
                 launch.wait_ready()
+                if rows is not None:
+                    rows.fill_(-1)
                 inp = launch.step_input()
-            except Exception:  # noqa: BLE001 - fail closed: the reply stays -1
+            except Exception:  # noqa: BLE001 - fail closed: the reply is -1
+                if rows is not None:
+                    rows.fill_(-1)
                 self.on_failure("step_input", "building the step input")
                 return
             try:

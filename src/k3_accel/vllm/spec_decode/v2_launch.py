@@ -155,7 +155,10 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
     """
     r = int(input_batch.num_reqs)
     qsl_np = np.asarray(input_batch.query_start_loc_np[: r + 1], dtype=np.int64)
-    n = int(qsl_np[r])
+    # the host's row count is an upper bound when vLLM's adaptive verification trims drafts on the
+    # device (query_start_loc is then rewritten there): rows past the device's end go to the dump row
+    n = min(int(qsl_np[r]), int(input_batch.input_ids.shape[0]),
+            *(int(h.shape[0]) for h in (aux or ())))
     if n > rows.capacity:
         raise ValueError(f"{n} rows exceed the staging capacity of {rows.capacity}")
     dev = rows.device
@@ -180,11 +183,11 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
         meta[3].copy_(positions.index_select(0, qsl[:-1]))
         if n:
             at = rows.rows[:n]
-            req = torch.searchsorted(qsl[1:], at, right=True)
+            req = torch.searchsorted(qsl[1:], at, right=True).clamp_(max=r - 1)
             offset = at - qsl.index_select(0, req)
             excl = torch.cumsum(valid, 0) - valid
-            dst = torch.where(offset < valid.index_select(0, req), excl.index_select(0, req) + offset,
-                              torch.full_like(offset, rows.capacity))
+            keep_row = (offset < valid.index_select(0, req)) & (at < qsl[r])
+            dst = torch.where(keep_row, excl.index_select(0, req) + offset, torch.full_like(offset, rows.capacity))
             rows.token_ids.index_copy_(0, dst, input_batch.input_ids[:n].to(torch.int64))
             width = 0
             for h in aux or ():
