@@ -13,7 +13,7 @@ import pytest
 
 from k3_accel.demo.child import run_in_child
 from k3_accel.demo.main import build_tiny
-from k3_accel.demo.scenario import Round, Run, Scenario
+from k3_accel.demo.scenario import FIXED_K, Round, Run, Scenario
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -34,7 +34,7 @@ def result(tmp_path_factory):
                         server_args=["--engine", "dflash", "--draft-model", draft, "--target-model", target],
                         runs=[Run("none", rounds),
                               Run("in-tree", rounds, speculative=spec, record_drafts=True),
-                              Run("remote", rounds, speculative=spec, remote=True, record_drafts=True)])
+                              Run("remote", rounds, speculative=spec, remote=True, record_drafts=True, plugin=FIXED_K)])
     return {r["name"]: r for r in run_in_child(scenario, timeout=900)["runs"]}
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from k3_accel.demo.child import run_in_child
 from k3_accel.demo.main import build_tiny
-from k3_accel.demo.scenario import Round, Run, Scenario
+from k3_accel.demo.scenario import FIXED_K, Round, Run, Scenario
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -41,7 +41,7 @@ def result(tmp_path_factory):
                                      "--num-speculative-tokens", str(K)],
                         runs=[Run("none", rounds),
                               Run("in-tree", rounds, speculative=spec, record_drafts=True),
-                              Run("remote", rounds, speculative=spec, remote=True, record_drafts=True)])
+                              Run("remote", rounds, speculative=spec, remote=True, record_drafts=True, plugin=FIXED_K)])
     return {r["name"]: r for r in run_in_child(scenario, timeout=900)["runs"]}
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from k3_accel.demo.child import run_in_child
 from k3_accel.demo.main import build_tiny
-from k3_accel.demo.scenario import Round, Run, Scenario
+from k3_accel.demo.scenario import FIXED_K, Round, Run, Scenario
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -52,7 +52,7 @@ def result(tmp_path_factory):
                         server_args=["--engine", "dflash", "--draft-model", draft, "--target-model", target],
                         runs=[Run("none", _rounds(faults=False)),
                               Run("remote", _rounds(faults=True), speculative=spec, remote=True,
-                                  plugin={"draft_timeout_ms": TIMEOUT_MS})])
+                                  plugin={**FIXED_K, "draft_timeout_ms": TIMEOUT_MS})])
     out = run_in_child(scenario, timeout=900)
     return {r["name"]: r for r in out["runs"]} | {"server": out["server"]}
 

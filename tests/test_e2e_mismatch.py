@@ -11,7 +11,7 @@ import pytest
 
 from k3_accel.demo.child import run_in_child
 from k3_accel.demo.checkpoints import build_tiny
-from k3_accel.demo.scenario import Round, Run, Scenario
+from k3_accel.demo.scenario import FIXED_K, Round, Run, Scenario
 from k3_accel.testing.tiny import write_tiny_dflash, write_tiny_target
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -29,7 +29,7 @@ def test_e2e_mismatched_server_fails_closed(tmp_path):
     result = run_in_child(Scenario(
         target=target, workdir=str(tmp_path), engine=ENGINE,
         server_args=["--engine", "dflash", "--draft-model", str(big_draft), "--target-model", str(big)],
-        runs=[Run("none", rounds), Run("remote", rounds, speculative=spec, remote=True)]), timeout=900)
+        runs=[Run("none", rounds), Run("remote", rounds, speculative=spec, remote=True, plugin=FIXED_K)]), timeout=900)
     runs = {r["name"]: r for r in result["runs"]}
     assert runs["remote"]["rounds"][0]["outputs"] == runs["none"]["rounds"][0]["outputs"]
     client = runs["remote"]["rounds"][0]["client"]

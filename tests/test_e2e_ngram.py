@@ -13,7 +13,7 @@ import pytest
 
 from k3_accel.demo.child import run_in_child
 from k3_accel.demo.main import build_tiny
-from k3_accel.demo.scenario import Round, Run, Scenario
+from k3_accel.demo.scenario import FIXED_K, Round, Run, Scenario
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -40,8 +40,8 @@ def result(tmp_path_factory):
                         server_args=["--engine", "ngram", "--num-speculative-tokens", str(K)], runs=[
                             Run("stock", rounds),
                             Run("dflash-config", [Round(ONE_TOKEN, max_tokens=1)] + rounds, speculative=dflash,
-                                remote=True),
-                            Run("ngram-config", rounds, speculative=ngram, remote=True)])
+                                remote=True, plugin=FIXED_K),
+                            Run("ngram-config", rounds, speculative=ngram, remote=True, plugin=FIXED_K)])
     return {r["name"]: r for r in run_in_child(scenario, timeout=900)["runs"]}
 
 

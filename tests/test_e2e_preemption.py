@@ -12,7 +12,7 @@ import pytest
 
 from k3_accel.demo.child import run_in_child
 from k3_accel.demo.checkpoints import build_tiny
-from k3_accel.demo.scenario import Round, Run, Scenario
+from k3_accel.demo.scenario import FIXED_K, Round, Run, Scenario
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -31,7 +31,7 @@ def result(tmp_path_factory):
     scenario = Scenario(target=target, workdir=str(work), engine=engine,
                         server_args=["--engine", "dflash", "--draft-model", draft, "--target-model", target],
                         runs=[Run("none", rounds),
-                              Run("remote", rounds, speculative=spec, remote=True, record_drafts=True)])
+                              Run("remote", rounds, speculative=spec, remote=True, record_drafts=True, plugin=FIXED_K)])
     return {r["name"]: r for r in run_in_child(scenario, timeout=1500)["runs"]}
 
 

@@ -18,7 +18,7 @@ from helpers.wire import Wire
 from k3_accel import protocol as p
 from k3_accel.demo.child import run_in_child
 from k3_accel.demo.checkpoints import build_tiny
-from k3_accel.demo.scenario import Round, Run, Scenario
+from k3_accel.demo.scenario import FIXED_K, Round, Run, Scenario
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -38,7 +38,7 @@ def shared(tmp_path_factory):
 
     def scenario(name: str, remote_rounds: list[Round], plain_rounds: list[Round]) -> Scenario:
         return Scenario(target=target, workdir=str(work / name), engine=ENGINE, server_address=server.address,
-                        runs=[Run("none", plain_rounds), Run("remote", remote_rounds, speculative=SPEC, remote=True)])
+                        runs=[Run("none", plain_rounds), Run("remote", remote_rounds, speculative=SPEC, remote=True, plugin=FIXED_K)])
 
     a = scenario("a", [Round(P1, max_tokens=24),
                        Round(P2, max_tokens=64, actions=[{"step": 0, "do": "wait_file", "path": str(b_drafting)},

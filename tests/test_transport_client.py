@@ -111,6 +111,31 @@ def test_per_request_error_disables_only_that_request(small_server, client_facto
     assert client.server_stats()["errors"] == {"CAPACITY": 1}
 
 
+def test_a_failure_disables_the_request_it_names_in_mixed_steps(small_server, client_factory):
+    """A step of proposing and ingest-only requests goes out as an ingest and a propose message;
+    a failure's index is the one of its own message: the client disables the request it names,
+    whichever message it was in, and no request of the other message."""
+    client = client_factory(small_server.address, max_rows=2 * BIG + 64)
+    big = [3, 4] * (BIG // 2)
+    hist = {"p0": [1, 2, 1, 2], "i0": [5, 6, 5], "i1": [7, 8, 7], "p1": [3, 4, 3]}
+    names = ["i0", "p0", "big", "i1", "p1"]
+    chunks = [(0, hist["i0"]), (0, hist["p0"]), (0, big), (0, hist["i1"]), (0, hist["p1"])]
+    out = client.step(rows(names, chunks, sampled=[False, True, True, False, True], anchors=[6, 1, 3, 8, 4]))
+    assert out.drafts.tolist() == [[-1] * K, expected_drafts(hist["p0"], 1), [-1] * K, [-1] * K,
+                                   expected_drafts(hist["p1"], 4)]
+    client.flush()
+    assert [n for n in names if client.is_disabled(n)] == ["big"]          # the propose's index 1
+    names2 = ["p0", "i0", "i1", "late", "p1"]                              # "late": ingest-only, too big
+    chunks = [(4, [1]), (3, [6]), (3, [8]), (0, big), (3, [4])]
+    out = client.step(rows(names2, chunks, sampled=[True, True, True, False, True], anchors=[2, 5, 7, 3, 3]))
+    assert out.drafts.tolist() == [expected_drafts(hist["p0"] + [1], 2), expected_drafts(hist["i0"] + [6], 5),
+                                   expected_drafts(hist["i1"] + [8], 7), [-1] * K,
+                                   expected_drafts(hist["p1"] + [4], 3)]
+    client.flush()
+    assert [n for n in names + names2 if client.is_disabled(n)] == ["big", "late"]   # the ingest's index 3
+    assert client.server_stats()["errors"] == {"CAPACITY": 2}
+
+
 def test_deferred_ingest_failure_is_drained_by_next_step(small_server, client_factory):
     client = client_factory(small_server.address, max_rows=BIG + 16)
     big = [4, 5, 6] * (BIG // 3 + 1)
@@ -272,8 +297,13 @@ def test_timeout_disables_batch_and_recovers(server, client_factory):
     assert client.is_disabled("a")
     assert client.stats()["counters"]["failures.transport"] >= 1
     assert drafts_again(client)
-    assert client.is_disabled("a")                         # stays off until it leaves the batch
     assert client.stats()["counters"].get("server_restarts", 0) == 0
+    # the link is back: "a" (disabled only by the link) drafts again once its history comes along
+    assert not client.is_disabled("a") and client.wants_history() == {"a"}
+    out = client.step(rows(["a"], [(4, [1])], anchors=[2], prompts={"a": [1, 2, 1, 2]}))
+    found = lookup([1, 2, 1, 2, 1, 2], K)
+    assert out.drafts.tolist() == [found + [-1] * (K - len(found))] and found
+    assert client.wants_history() == frozenset() and client.stats()["counters"]["rearmed_requests"] >= 1
 
 
 def test_server_restart_disables_everything_and_new_requests_draft(client_factory):

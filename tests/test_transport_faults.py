@@ -118,7 +118,8 @@ def test_a_deferred_copy_that_fails_frees_its_slot(server, client_factory, monke
     assert slot.holds == 0 and slot.retired
     assert drafts_again(client)                                             # through that same slot
     counters = client.stats()["counters"]
-    assert counters["failures.sender"] == 1 and client.is_disabled("a")
+    assert counters["failures.sender"] == 1
+    assert not client.is_disabled("a") and "a" in client.wants_history()   # the link is back: drafting again
     assert "failures.ring_timeout" not in counters and slot.generation == 1
 
 

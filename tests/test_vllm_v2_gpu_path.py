@@ -37,6 +37,7 @@ def _speculator(vllm_config, sim, address, monkeypatch, **env):
 
     hooks.install_v2()
     monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", address)
+    monkeypatch.setenv("VLLM_K3_DRAFT_ADAPTIVE", "off")         # a fixed K: these tests check exact drafts
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return spec_decode.init_speculator(vllm_config, torch.device("cpu"), sim.req_states)
@@ -176,7 +177,10 @@ def test_an_unreachable_server_does_not_delay_construction(vllm_config, tp_group
         sim.add("a", [1, 2, 1, 2])
         d = sim.propose(spec, [Sched("a", 0, [1, 2, 1, 2], sampled=1)])
         assert d.tolist() == [[1] * K]
-        assert client_stats(spec, ready=False)["state"] != "ready"
+        d = sim.propose(spec, [Sched("a", 4, [1], sampled=2)])      # the link is down: nothing is gathered
+        assert d.tolist() == [[2] * K]
+        stats = client_stats(spec, ready=False)
+        assert stats["state"] != "ready" and stats["counters"]["link_down_steps"] >= 1
     finally:
         spec.close()
     assert built < 30                  # the 30 s hello timeout is not spent in the runner's __init__
@@ -340,3 +344,41 @@ def test_v2_draft_tp_mismatch_starts(tmp_path, monkeypatch):
         build({})
     spec = build({"k3_accel": {"draft_address": "tcp://127.0.0.1:5557"}})
     assert spec.draft_tensor_parallel_size == 1
+
+
+# ------------------------------------------------------- the per-step K controller
+def test_fewer_drafts_reach_vllm(vllm_config, tp_group, ngram_server, monkeypatch):
+    """When the controller gives one request 2 drafts and another none in a step, V2's runner gets
+    exactly that (the rest: filler with confidence 0), and V1's scheduler gets 2 and 0 drafts."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import DraftTokenIds
+
+    from k3_accel.vllm.spec_decode.hooks import drafts_for_scheduler
+    from helpers.v2_sim import expected
+
+    sim = Sim()
+    spec = _speculator(vllm_config, sim, ngram_server.address, monkeypatch, VLLM_K3_DRAFT_ADAPTIVE="on",
+                       VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS="20000")
+    try:
+        controller = spec.core.session.pipeline.controller
+        assert controller is not None                          # adaptive is the default
+        monkeypatch.setattr(controller, "choose", lambda ids, sampled, counts: np.array([2, 0, K]))
+        a, b, c = [1, 2, 3, 1, 2], [4, 5, 6, 4, 5], [7, 8, 7, 8, 7]
+        for rid, p in zip("abc", (a, b, c)):
+            sim.add(rid, p)
+        d = sim.propose(spec, [Sched("a", 0, a, sampled=3), Sched("b", 0, b, sampled=6), Sched("c", 0, c, sampled=8)])
+        full = [expected(a, 3), expected(b, 6), expected(c, 8)]
+        assert d.tolist() == [full[0][:2] + [3] * (K - 2), [6] * K, [x if x >= 0 else 8 for x in full[2]]]
+        conf = spec.draft_token_confidence_probs[:3].tolist()
+        assert conf[0] == [1.0, 1.0] + [0.0] * (K - 2) and conf[1] == [0.0] * K
+        # V1: the same decision reaches vLLM's scheduler as 2, 0 and K drafts
+        masked = [full[0][:2] + [-1] * (K - 2), [-1] * K, full[2]]
+        reqs = {rid: types.SimpleNamespace(is_finished=lambda: False, is_prefill_chunk=False, spec_token_ids=[])
+                for rid in "abc"}
+        sched = types.SimpleNamespace(requests=reqs, structured_output_manager=types.SimpleNamespace(
+            validate_tokens=lambda request, ids: ids))
+        Scheduler.update_draft_token_ids(sched, DraftTokenIds(list("abc"), drafts_for_scheduler(masked)))
+        assert [len(reqs[r].spec_token_ids) for r in "abc"] == [2, 0, sum(t >= 0 for t in full[2])]
+        assert "acceptance_per_position" in client_stats(spec)["controller"]     # visible in the stats
+    finally:
+        spec.close()

@@ -57,7 +57,8 @@ def _rank(rank: int, world: int, config_bytes: bytes) -> tuple:
 
 def test_tp2_ranks_get_identical_drafts_and_only_rank0_connects(vllm_config, ngram_server):
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_DISABLE_PYNCCL": "1",
-           "VLLM_K3_DRAFT_REMOTE_ADDRESS": ngram_server.address}
+           "VLLM_K3_DRAFT_REMOTE_ADDRESS": ngram_server.address,
+           "VLLM_K3_DRAFT_ADAPTIVE": "off"}
     r0, r1 = run_ranks(_rank, 2, pickle.dumps(vllm_config), env=env, timeout=300)
     assert r0[:3] == (0, 2, True) and r1[:3] == (1, 2, False)
     assert r0[3] == r1[3]                                   # identical drafts on both ranks, every step

@@ -31,6 +31,15 @@ def _positive_int(key: str, allow_zero: bool = False) -> Callable[[Any], int]:
     return parse
 
 
+def _switch(key: str) -> Callable[[Any], bool]:
+    def parse(value: Any) -> bool:
+        text = str(value).strip().lower()
+        if isinstance(value, bool) or text in ("1", "0", "true", "false", "on", "off", "yes", "no"):
+            return value if isinstance(value, bool) else text in ("1", "true", "on", "yes")
+        raise ConfigError(f"{key}={value!r}: expected on/off (true/false, 1/0)")
+    return parse
+
+
 def _optional_str(key: str) -> Callable[[Any], str | None]:
     def parse(value: Any) -> str | None:
         if value is None:
@@ -79,6 +88,9 @@ class K3Config:
     draft_timeout_ms: int = 30000             # hello, ingests, frees: generous
     draft_propose_timeout_ms: int = 50        # a propose's reply: step-sized (the GPU waits for it)
     ingest_ring_depth: int = 2                # pinned staging slots; 0 = every ingest waits for its reply
+    adaptive: bool = True                     # per-step K from measured acceptance and costs; off = fixed K
+    adaptive_min_k: int = 0                   # fewest drafts for a sampling request (0: speculation may stop)
+    adaptive_probe_interval: int = 32         # while speculation is off, one step in this many drafts fully
     capture_dir: str | None = None
     timing_log_interval: int = 0              # 0 = no periodic timing log
     dma_min_bytes: DmaThreshold = dataclasses.field(default_factory=lambda: parse_dma_min_bytes(None))
@@ -109,6 +121,9 @@ _SETTINGS = (
     _Setting("draft_propose_timeout_ms", "VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS", _positive_int),
     _Setting("ingest_ring_depth", "VLLM_K3_DRAFT_ASYNC_PREFILL_INGEST",
              lambda key: _positive_int(key, allow_zero=True)),
+    _Setting("adaptive", "VLLM_K3_DRAFT_ADAPTIVE", _switch),
+    _Setting("adaptive_min_k", "VLLM_K3_DRAFT_ADAPTIVE_MIN_K", lambda key: _positive_int(key, allow_zero=True)),
+    _Setting("adaptive_probe_interval", "VLLM_K3_DRAFT_ADAPTIVE_PROBE_INTERVAL", _positive_int),
     _Setting("capture_dir", "VLLM_K3_DRAFT_CAPTURE_DIR", _optional_str),
     _Setting("timing_log_interval", "VLLM_K3_DRAFT_TIMING_LOG_INTERVAL",
              lambda key: _positive_int(key, allow_zero=True)),

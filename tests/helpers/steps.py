@@ -7,8 +7,9 @@ from k3_accel.transport.api import ClientSettings, StepInput
 
 
 def settings(address: str, **kw) -> ClientSettings:
-    base = dict(address=address, timeout_ms=20000, max_rows=4096, num_speculative_tokens=4,
-                backoff_initial_ms=20, backoff_max_ms=200)
+    # a propose waits as long as any message here (the step-sized propose timeout has its own tests)
+    base = dict(address=address, timeout_ms=20000, propose_timeout_ms=20000, max_rows=4096,
+                num_speculative_tokens=4, backoff_initial_ms=20, backoff_max_ms=200)
     base.update(kw)
     return ClientSettings(**base)
 

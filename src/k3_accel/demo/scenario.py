@@ -107,6 +107,8 @@ def run(scenario: Scenario) -> dict:
     return out
 
 
+# a run that drafts a fixed K every step (the per-step controller off): tests that compare drafts or counts
+FIXED_K = {"adaptive": False}
 # the plugin's step-sized propose deadline (50 ms) is for a GPU target; on this CPU engine the
 # draft server shares the target's cores and a propose takes tens of ms on its own
 CPU_PROPOSE_TIMEOUT_MS = 5000

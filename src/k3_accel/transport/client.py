@@ -143,6 +143,24 @@ class DraftClient:
             self.link.lose(exc)
         return None
 
+    @property
+    def down(self) -> bool:
+        """No server to talk to now (any thread may ask): see :attr:`Link.down`."""
+        return self.link.down
+
+    def skip_step(self, req_ids: list[str]) -> None:
+        """A step whose rows were not even gathered because the link is down: keep the link
+        moving, and mark the requests so they draft again, with their history, once it is back."""
+        try:
+            self.link.service()
+        except TransportError as exc:
+            self.link.lose(exc)
+        if req_ids and self.link.state is not State.READY:
+            self.book.resolve(req_ids)
+            self.book.failures.push(FailureKind.NOT_CONNECTED, req_ids, f"connection {self.link.state.value}")
+        self.book.apply()
+        self.telemetry.count("link_down_steps")
+
     def _lost_rows(self, inp: StepInput) -> None:
         """Not connected: rows of this step cannot reach the server, so their requests stop drafting."""
         ids = [rid for rid, c in zip(inp.req_ids, inp.counts) if c > 0]

@@ -49,6 +49,7 @@ class Link:
                                zero_copy_min_bytes=settings.zero_copy_min_bytes,
                                on_server_id=self._server_changed)
         self._hello: Pending | None = None
+        self._started = False
         self._since = 0.0
         self._backoff = settings.backoff_initial_ms / 1000
         self._next_attempt = 0.0
@@ -56,6 +57,16 @@ class Link:
     @property
     def ready(self) -> bool:
         return self.state is State.READY
+
+    @property
+    def down(self) -> bool:
+        """No server is there: disconnected, incompatible, closed, or connecting with no peer to
+        send the hello to yet. (Not while a hello is in flight, nor before :meth:`start`.)"""
+        state = self.state
+        if not self._started:
+            return False                    # start() is still making its first attempt
+        return state in (State.DISCONNECTED, State.INCOMPATIBLE, State.CLOSED) or (
+            state is State.CONNECTING and self._hello is None)
 
     # ------------------------------------------------------------- lifecycle
     def start(self, wait_s: float) -> None:
@@ -81,6 +92,8 @@ class Link:
         except TransportError as exc:
             log.error("k3 draft server not usable at start (%s); drafting stays off until it answers", exc)
             self.lose(exc)
+        finally:
+            self._started = True
 
     def goodbye(self, seconds: float = 2.0) -> None:
         """Tell the server to free this client's session; bounded, best effort."""

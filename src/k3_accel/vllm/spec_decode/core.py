@@ -146,7 +146,7 @@ class RemoteDrafter:
             return self._no_drafts(rows, k)
         keep, fresh = plan
         inp = None
-        if self.session.is_driver:
+        if self.session.is_driver and not self.session.link_down([req_ids[i] for i in keep.tolist()]):
             try:
                 inp = build(keep, fresh)
             except Exception:  # noqa: BLE001 - fail closed: None = no drafts, still broadcast

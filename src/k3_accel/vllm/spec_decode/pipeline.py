@@ -40,12 +40,16 @@ class DraftPipeline:
     """Owns ``client`` (a started-on-demand :class:`~k3_accel.transport.client.DraftClient`)."""
 
     def __init__(self, client: Any, fence: Any, max_reqs: int, k: int, on_failure: Callable[[str, str], None],
-                 start_wait_s: float = 1.0):
+                 start_wait_s: float = 1.0, controller: Any = None):
         self.client = client
+        self.controller = controller
         self.fence = fence
         self.on_failure = on_failure
         self.reply = torch.full((2, max(max_reqs, 1), max(k, 1)), -1, dtype=torch.int64,
                                 pin_memory=pinning_available() and fence.on_device)
+        # the server's per-draft confidence (DSpark), -1 where it sent none (see .confidence)
+        self.confidence = torch.full(self.reply.shape, -1.0, dtype=torch.float32,
+                                     pin_memory=pinning_available() and fence.on_device)
         self._seq = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
@@ -71,6 +75,10 @@ class DraftPipeline:
         """The pinned reply of step ``seq`` (``[rows, k]``), valid once the fence passed ``seq``."""
         return self.reply[seq % 2, :rows, :k]
 
+    def confidence_rows(self, seq: int, rows: int, k: int) -> torch.Tensor:
+        """The pinned confidence of step ``seq`` (``[rows, k]``, -1 = none), valid like :meth:`reply_rows`."""
+        return self.confidence[seq % 2, :rows, :k]
+
     def call(self, fn: Callable[[Any], Any], wait: bool = True, timeout: float | None = None) -> Any:
         """Run ``fn(client)`` on the draft thread after everything queued; its result (or
         exception) when ``wait``."""
@@ -87,6 +95,12 @@ class DraftPipeline:
         if not ok:
             raise value
         return value
+
+    def run_step(self, inp: Any) -> Any:
+        """The client's step, through the controller when there is one (draft thread only)."""
+        if self.controller is None:
+            return self.client.step(inp)
+        return self.controller.step(inp, self.client.step)
 
     def close(self, timeout: float) -> None:
         """Stop the thread after the queued work (bounded), close the client; the fence is
@@ -138,6 +152,7 @@ class DraftPipeline:
                 launch.wait_ready()
                 if rows is not None:
                     rows.fill_(-1)
+                    self.confidence[seq % 2].fill_(-1.0)
                 inp = launch.step_input()
             except Exception:  # noqa: BLE001 - fail closed: the reply is -1
                 if rows is not None:
@@ -145,12 +160,15 @@ class DraftPipeline:
                 self.on_failure("step_input", "building the step input")
                 return
             try:
-                out = self.client.step(inp)
+                out = self.run_step(inp)
             except Exception:  # noqa: BLE001
                 self.on_failure("step", "the remote draft step")
                 return
             if rows is not None and inp.k > 0 and out.drafts.numel():
-                rows[torch.from_numpy(np.asarray(launch.keep, dtype=np.int64)), :inp.k] = out.drafts
+                keep = torch.from_numpy(np.asarray(launch.keep, dtype=np.int64))
+                rows[keep, :inp.k] = out.drafts
+                if "confidence" in out.extra:
+                    self.confidence[seq % 2][keep, :inp.k] = out.extra["confidence"].float()
         finally:
             launch.release()
             if seq is not None:

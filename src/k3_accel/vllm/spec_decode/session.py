@@ -20,7 +20,7 @@ import torch
 
 from k3_accel.config import from_vllm
 from k3_accel.transport.api import ClientSettings, StepInput, StepOutput
-from k3_accel.vllm.spec_decode.methods import HIDDEN_METHODS
+from k3_accel.vllm.spec_decode.methods import HIDDEN_METHODS, draft_signature
 
 if TYPE_CHECKING:
     from k3_accel.vllm.spec_decode.core import FailureLog
@@ -90,7 +90,18 @@ def client_settings(vllm_config: Any, facts: TargetFacts) -> ClientSettings:
         from_vllm(vllm_config), max_rows=f.max_rows, context_width=f.context_width,
         hidden_dtype=f.hidden_dtype, num_speculative_tokens=f.num_speculative_tokens,
         target_vocab_size=f.vocab_size, hidden_size=f.hidden_size if f.aux_layer_ids else 0,
-        aux_layer_ids=f.aux_layer_ids, max_requests=f.max_num_seqs, client_name=_client_name(vllm_config))
+        aux_layer_ids=f.aux_layer_ids, max_requests=f.max_num_seqs, client_name=_client_name(vllm_config),
+        draft=draft_signature(vllm_config.speculative_config))
+
+
+def make_controller(config: Any, facts: TargetFacts):
+    """The per-step K controller (None: ``adaptive`` off, a fixed K)."""
+    from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
+    k = facts.num_speculative_tokens
+    if not config.adaptive or k < 1:
+        return None
+    return Controller(ControllerSettings(k_max=k, k_min=min(config.adaptive_min_k, k),
+                                         probe_interval=config.adaptive_probe_interval))
 
 
 def _client_name(vllm_config: Any) -> str:
@@ -137,7 +148,8 @@ class RemoteDraftSession:
             from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
             self.settings = settings = client_settings(vllm_config, self.facts)
             self.pipeline = DraftPipeline(DraftClient(settings), make_fence(device), self.facts.max_num_seqs,
-                                          self.facts.num_speculative_tokens, self._thread_failure)
+                                          self.facts.num_speculative_tokens, self._thread_failure,
+                                          controller=make_controller(from_vllm(vllm_config), self.facts))
             log.info("k3-accel: remote drafting via %s (method=%s, K=%d, context width %d)",
                      settings.address, self.facts.method, self.facts.num_speculative_tokens,
                      self.facts.context_width)
@@ -180,7 +192,7 @@ class RemoteDraftSession:
 
     def _drive(self, inp: StepInput, num_requests: int, k: int) -> torch.Tensor | None:
         try:
-            out: StepOutput = self.pipeline.call(lambda c: c.step(inp), timeout=self._wait_s())
+            out: StepOutput = self.pipeline.call(lambda c: self.pipeline.run_step(inp), timeout=self._wait_s())
             if tuple(out.drafts.shape) != (num_requests, k):
                 raise ValueError(f"drafts shape {list(out.drafts.shape)} != [{num_requests}, {k}]")
             return out.drafts.to(self.device)
@@ -199,10 +211,24 @@ class RemoteDraftSession:
             self.failures.record("broadcast", "broadcasting the drafts to the TP group")
 
     # --------------------------------------------------------- the draft thread
+    def link_down(self, req_ids: list[str]) -> bool:
+        """Driver: True when the link to the server is not up; the step then gathers and sends
+        nothing, and the draft thread only keeps the link moving and marks ``req_ids``."""
+        client = self.client
+        if client is None or not client.down:
+            return False
+        self.pipeline.call(lambda c: c.skip_step(req_ids), wait=False)
+        return True
+
     def finish(self, req_ids: Iterable[str]) -> None:
         if self.pipeline is not None:
-            ids = list(req_ids)
-            self.pipeline.call(lambda c: c.finish(ids), wait=False)
+            ids, controller = list(req_ids), self.pipeline.controller
+
+            def finish(client):
+                client.finish(ids)
+                if controller is not None:
+                    controller.forget(ids)
+            self.pipeline.call(finish, wait=False)
 
     def wants_history(self) -> frozenset[str]:
         """Requests whose next rows must come with their token history (drafting again)."""
@@ -217,7 +243,11 @@ class RemoteDraftSession:
     def stats(self) -> dict:
         if self.pipeline is None:
             return {}
-        return self.pipeline.call(lambda c: c.stats(), timeout=self._wait_s())
+        controller = self.pipeline.controller
+
+        def stats(client):
+            return {**client.stats(), "controller": controller.snapshot() if controller is not None else None}
+        return self.pipeline.call(stats, timeout=self._wait_s())
 
     def close(self) -> None:
         if self.pipeline is not None:

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from k3_accel.vllm.compat import require
+from k3_accel.vllm.spec_decode import confidence
 from k3_accel.vllm.spec_decode.core import RemoteDrafter, finishes_after_prefill
 from k3_accel.vllm.spec_decode.v2_launch import DeviceRows, LaunchSlots, launch, samples_host
 
@@ -133,6 +134,9 @@ class RemoteSpeculatorMixin:
         self.enable_adaptive_verification = bool(getattr(spec, "enable_adaptive_verification", False))
         self._confidence = torch.zeros((self.max_num_reqs, k), dtype=torch.float32, device=self.device)
         self.draft_token_confidence_probs = self._confidence
+        # a DSpark server's confidence (-1 = none) when adaptive verification uses it (.confidence)
+        self._server_confidence = (torch.full((self.max_num_reqs, k), confidence.NONE, device=self.device)
+                                   if confidence.wanted(spec) else None)
         self.drafts = torch.full((self.max_num_reqs, k), -1, dtype=torch.int64, device=self.device)
         self.pcp_manager = None
         self.core = RemoteDrafter(self.device)
@@ -188,6 +192,8 @@ class RemoteSpeculatorMixin:
         out = self.drafts[:r]
         out.fill_(-1)
         self._confidence[:r].zero_()
+        if self._server_confidence is not None:
+            self._server_confidence[:r].fill_(confidence.NONE)
         if dummy_run or is_profile:          # profiling, graph capture: never the network
             self.core.counters["dummy_runs"] += 1
             return out
@@ -206,7 +212,8 @@ class RemoteSpeculatorMixin:
                 self._ship(plan, input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
                            next_prefill_tokens, 0)
         if k > 0:
-            torch.ge(out[:, :k], 0, out=self._confidence[:r, :k])
+            confidence.fill(self._confidence[:r, :k], out[:, :k],
+                            None if self._server_confidence is None else self._server_confidence[:r, :k])
             if self.fill_missing_drafts:
                 fill_missing(out[:, :k], input_batch, last_sampled, self.vocab_size)
         return out
@@ -219,6 +226,8 @@ class RemoteSpeculatorMixin:
         if not session.is_driver:
             return None
         keep, fresh = plan
+        if session.link_down([input_batch.req_ids[i] for i in keep.tolist()]):
+            return None
         try:
             step = launch(self.rows, self.slots, input_batch, aux if session.ships_hidden else None,
                           num_sampled, num_rejected, last_sampled, next_prefill_tokens, keep, k,
@@ -233,14 +242,21 @@ class RemoteSpeculatorMixin:
         """Ship the step with a propose and put the drafts into ``cols`` (every rank)."""
         session = self.core.session
         seq = self._ship(plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens, k)
+        conf = None if self._server_confidence is None else self._server_confidence[:cols.shape[0], :k]
         if seq is not None:
             fence, reply = session.pipeline.fence, session.pipeline.reply_rows(seq, cols.shape[0], k)
             if fence.on_device:
                 fence.enqueue(seq, torch.cuda.current_stream(self.device))
                 cols.copy_(reply, non_blocking=True)
+                if conf is not None:
+                    conf.copy_(session.pipeline.confidence_rows(seq, cols.shape[0], k), non_blocking=True)
             elif fence.wait(seq, session.settings.timeout_s + session.settings.propose_timeout_s):
                 cols.copy_(reply)
+                if conf is not None:
+                    conf.copy_(session.pipeline.confidence_rows(seq, cols.shape[0], k))
         session.broadcast(cols)
+        if conf is not None:
+            session.broadcast(conf)
 
     def _token_rows(self) -> torch.Tensor | None:
         """vLLM's ``all_token_ids`` by slot (UVA or device): the history of requests to attach."""

@@ -1,0 +1,265 @@
+"""How many drafts each request gets, per step: speculation that pays or steps aside.
+
+One controller per engine, on the driver rank's draft thread, used by both
+runners (:mod:`.pipeline` runs every step through :meth:`Controller.step`).
+Before a step goes to the server it picks ``k_i`` in ``0..K`` for every
+request that samples, to maximise the expected tokens per second of the next
+target step; drafts past ``k_i`` become "no draft", which the runners turn
+into nothing to verify (V1: the scheduler gets no placeholder; V2: confidence
+0 for vLLM's adaptive verification). When no ``k > 0`` pays for the batch the
+step asks the server for nothing (its rows still go, as an ingest), and one
+step in ``probe_interval`` drafts fully so a draft that starts paying again is
+noticed. Everything it uses is measured:
+
+* **acceptance per position**, per request, smoothed toward a global estimate
+  (itself starting from ``prior``): from the valid rows the target kept of the
+  drafts this controller handed out the step before;
+* **the target step's time** as ``a + b * tokens`` (decaying least squares over
+  the step periods it sees, the draft wait taken out);
+* **the draft round trip**: how long the steps that proposed waited.
+
+With survival ``s_ij`` (request ``i``'s first ``j`` drafts all accepted) the
+best prefix of the ``s_ij`` sorted descending maximises
+``(B + sum s) / (T(base + m) + D * [m > 0])`` (vLLM's adaptive verification
+ranks the same way). The same inputs give the same decisions: no randomness,
+time only through the measurements it is fed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    k_max: int
+    k_min: int = 0                  # never fewer drafts than this for a sampling request (0: may be off)
+    probe_interval: int = 32        # while off, one step in this many drafts fully
+    prior: float = 0.6              # per-position acceptance assumed before any is measured
+    prior_weight: float = 4.0       # how many observations the prior is worth (global)
+    request_weight: float = 4.0     # how many global observations a request's own estimate starts from
+    decay: float = 0.9              # per-step forgetting (acceptance and costs: a memory of ~10 steps)
+    min_step_s: float = 1e-5        # a step period below this is not a measurement
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.k_min <= self.k_max:
+            raise ValueError(f"adaptive_min_k={self.k_min} must be within 0..{self.k_max}")
+        if self.probe_interval < 1:
+            raise ValueError(f"adaptive_probe_interval={self.probe_interval} must be >= 1")
+
+
+class Acceptance:
+    """Per-position acceptance: global counts plus each request's own, both as (tried, accepted)."""
+
+    def __init__(self, s: ControllerSettings):
+        self.s = s
+        self.tried = np.zeros(s.k_max)
+        self.accepted = np.zeros(s.k_max)
+        self.requests: dict[str, np.ndarray] = {}        # id -> [2, K]: tried, accepted
+
+    def observe(self, req_id: str, given: int, accepted: int) -> None:
+        """``given`` drafts were verified, the first ``accepted`` of them were accepted."""
+        if given <= 0:
+            return
+        accepted = max(0, min(accepted, given))
+        tried = min(accepted + 1, given)                 # positions past the first rejection were not tried
+        row = self.requests.get(req_id)
+        if row is None:
+            row = self.requests[req_id] = np.zeros((2, self.s.k_max))
+        row *= self.s.decay
+        row[0, :tried] += 1
+        row[1, :accepted] += 1
+        self.tried[:tried] += 1
+        self.accepted[:accepted] += 1
+
+    def decay(self) -> None:
+        self.tried *= self.s.decay
+        self.accepted *= self.s.decay
+
+    def global_rate(self) -> np.ndarray:
+        w = self.s.prior_weight
+        return (self.accepted + w * self.s.prior) / (self.tried + w)
+
+    def survival(self, req_ids: Sequence[str]) -> np.ndarray:
+        """``[R, K]``: probability that a request's first j+1 drafts are all accepted."""
+        g = self.global_rate()
+        w = self.s.request_weight
+        rates = np.empty((len(req_ids), self.s.k_max))
+        for n, rid in enumerate(req_ids):
+            row = self.requests.get(rid)
+            rates[n] = g if row is None else (row[1] + w * g) / (row[0] + w)
+        return np.cumprod(rates, axis=1)
+
+    def forget(self, req_ids: Sequence[str]) -> None:
+        for rid in req_ids:
+            self.requests.pop(rid, None)
+
+
+class StepCost:
+    """``T(tokens) = a + b * tokens`` by decaying least squares; the draft wait ``D`` by EWMA."""
+
+    def __init__(self, s: ControllerSettings):
+        self.s = s
+        self.n = 0.0                     # decayed count; running means and co-moments (stable updates)
+        self.mx = self.my = self.cxx = self.cxy = 0.0
+        self.round_trip: float | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        w = self.s.decay
+        self.n = self.n * w + 1.0
+        dx = tokens - self.mx
+        self.mx += dx / self.n
+        self.my += (seconds - self.my) / self.n
+        self.cxx = self.cxx * w + dx * (tokens - self.mx)
+        self.cxy = self.cxy * w + dx * (seconds - self.my)
+
+    def observe_round_trip(self, seconds: float) -> None:
+        self.round_trip = seconds if self.round_trip is None else 0.8 * self.round_trip + 0.2 * seconds
+
+    def line(self) -> tuple[float, float]:
+        """``(a, b)``; until steps of different sizes were seen, a token's marginal cost is taken
+        as 1/8 of the average token's."""
+        if self.n < 1e-9:
+            return 0.0, 0.0
+        if self.cxx > 1e-6 * self.n * max(self.mx, 1.0):
+            b = self.cxy / self.cxx
+        else:
+            b = self.my / max(self.mx, 1.0) / 8
+        b = max(b, 0.0)
+        return max(self.my - b * self.mx, 0.0), b
+
+
+class Controller:
+    """Chooses each step's drafts per request (see the module docstring)."""
+
+    def __init__(self, settings: ControllerSettings, clock: Callable[[], float] = time.perf_counter):
+        self.s = settings
+        self.clock = clock
+        self.acceptance = Acceptance(settings)
+        self.cost = StepCost(settings)
+        self.given: dict[str, int] = {}        # drafts handed out last step, per request
+        self.k_hist: Counter[int] = Counter()
+        self.counters: Counter[str] = Counter()
+        self._off = 0                          # consecutive steps with speculation off
+        self._last_start: float | None = None
+        self._last_wait = 0.0
+
+    # ------------------------------------------------------------------ one step
+    def step(self, inp: Any, run: Callable[[Any], Any]) -> Any:
+        """Learn from ``inp``, choose, run ``run(inp')`` (the client's step) and mask its drafts."""
+        start = self.clock()
+        sampled = np.asarray(inp.sampled, dtype=bool)
+        counts = np.asarray(inp.counts, dtype=np.int64)
+        self._learn(inp.req_ids, sampled, counts, start)
+        ks = self.choose(inp.req_ids, sampled, counts) if inp.k > 0 else np.zeros(len(counts), np.int64)
+        ks = np.minimum(ks, inp.k)
+        proposing = bool(ks.any())
+        if proposing or inp.k == 0:
+            out = run(inp)
+        else:                                   # nobody drafts: the rows go as an ingest, nothing waits
+            out = run(dataclasses.replace(inp, k=0))
+            out.drafts = torch.full((len(counts), inp.k), -1, dtype=torch.int64)
+        if proposing:
+            self._last_wait = self.clock() - start
+            self.cost.observe_round_trip(self._last_wait)
+        else:
+            self._last_wait = 0.0
+        drafts = out.drafts
+        if drafts.numel():
+            cols = np.arange(drafts.shape[1])
+            d = drafts.numpy()
+            d[cols[None, :] >= ks[:, None]] = -1
+            given = (d >= 0).sum(axis=1)
+        else:
+            given = np.zeros(len(counts), np.int64)
+        self.given = {rid: int(g) for rid, g, s in zip(inp.req_ids, given, sampled) if s}
+        return out
+
+    def _learn(self, req_ids: Sequence[str], sampled: np.ndarray, counts: np.ndarray, start: float) -> None:
+        """The valid rows of a sampling request are 1 + the drafts it had accepted."""
+        self.acceptance.decay()
+        for rid, s, c in zip(req_ids, sampled, counts):
+            g = self.given.get(rid, 0)
+            if s and g:
+                self.acceptance.observe(rid, g, int(c) - 1)
+        # the forward that just ran (between the last step's end and this one's start) verified
+        # the drafts handed out last step: its tokens are the rows plus the rejected drafts
+        tokens = int(counts.sum()) + sum(max(0, self.given.get(r, 0) + 1 - int(c))
+                                         for r, s, c in zip(req_ids, sampled, counts) if s)
+        if self._last_start is not None:
+            period = start - self._last_start - self._last_wait
+            if period > self.s.min_step_s:
+                self.cost.observe(tokens, period)
+        self._last_start = start
+
+    def choose(self, req_ids: Sequence[str], sampled: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """``[R]`` drafts per request for the next step (0 for requests that do not sample)."""
+        k = self.s.k_max
+        idx = np.flatnonzero(sampled)
+        ks = np.zeros(len(req_ids), dtype=np.int64)
+        if idx.size == 0 or k == 0:
+            return ks
+        if self.cost.n < 1.0:                   # no step measured yet: draft fully (and measure)
+            ks[idx] = k
+            self.k_hist[k] += int(idx.size)
+            return ks
+        surv = self.acceptance.survival([req_ids[i] for i in idx])
+        a, b = self.cost.line()
+        rt = self.cost.round_trip or 0.0
+        base = float(idx.size + counts[~sampled].sum())          # next step's tokens without drafts
+        chosen = _best_prefix(surv, idx.size, a, b, base, rt, self.s.k_min)
+        if not chosen.any() and self.s.k_min == 0:
+            self._off += 1
+            self.counters["off_steps"] += 1
+            if self._off % self.s.probe_interval == 0:
+                chosen[:] = k
+                self.counters["probe_steps"] += 1
+        else:
+            self._off = 0
+        ks[idx] = chosen
+        self.k_hist.update(chosen.tolist())
+        self.counters["steps"] += 1
+        return ks
+
+    def forget(self, req_ids: Sequence[str]) -> None:
+        self.acceptance.forget(req_ids)
+        for rid in req_ids:
+            self.given.pop(rid, None)
+
+    def snapshot(self) -> dict[str, Any]:
+        a, b = self.cost.line()
+        return {"k_chosen": {str(k): n for k, n in sorted(self.k_hist.items())},
+                "acceptance_per_position": [round(float(x), 4) for x in self.acceptance.global_rate()],
+                "step_ms": {"fixed": round(a * 1e3, 4), "per_token": round(b * 1e3, 6)},
+                "round_trip_ms": None if self.cost.round_trip is None else round(self.cost.round_trip * 1e3, 4),
+                **self.counters}
+
+
+def _best_prefix(surv: np.ndarray, batch: int, a: float, b: float, base: float, rt: float,
+                 k_min: int) -> np.ndarray:
+    """Drafts per request: the prefix of the sorted survivals that maximises tokens per second."""
+    r, k = surv.shape
+    fixed = np.zeros(r, dtype=np.int64) + k_min
+    free = surv[:, k_min:]
+    order = np.argsort(-free, axis=None, kind="stable")
+    gains = free.reshape(-1)[order]
+    m = np.arange(len(gains) + 1)
+    tokens = np.concatenate(([0.0], np.cumsum(gains))) + batch + surv[:, :k_min].sum()
+    extra = m + r * k_min
+    cost = a + b * (base + extra) + rt * (extra > 0)
+    rate = tokens / np.maximum(cost, 1e-12)
+    best = int(np.argmax(rate))                   # ties: the fewest drafts
+    chosen = fixed.copy()
+    if best:
+        rows = order[:best] // free.shape[1]
+        np.add.at(chosen, rows, 1)
+    return chosen
+
+
+__all__ = ["Acceptance", "Controller", "ControllerSettings", "StepCost"]

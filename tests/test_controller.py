@@ -1,0 +1,131 @@
+"""The per-step K controller on synthetic and recorded traces (no vLLM, no server).
+
+A fake target: each step takes ``fixed + per_token * tokens`` seconds (fed as the
+controller's clock), the draft round trip ``rt`` seconds, and request ``i``
+accepts its drafts by a per-position schedule. The controller sees only what the
+pipeline gives it: each step's StepInput (valid rows = 1 + accepted drafts) and
+the client's drafts.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from k3_accel.transport.api import StepInput, StepOutput
+from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
+
+K = 7
+
+
+class FakeTarget:
+    """Drives a controller like the draft thread does, with a simulated clock."""
+
+    def __init__(self, controller: Controller, batch: int, fixed=0.010, per_token=0.0001, rt=0.002):
+        self.c, self.batch = controller, batch
+        self.fixed, self.per_token, self.rt = fixed, per_token, rt
+        self.now = 0.0
+        controller.clock = lambda: self.now
+        self.ids = [f"r{i}" for i in range(batch)]
+        self.given = {r: 0 for r in self.ids}
+        self.asked: list[np.ndarray] = []
+        self.accept = lambda step, i, j: False          # draft j (0-based) of request i accepted?
+
+    def step(self, n: int) -> list[np.ndarray]:
+        """``n`` decode steps; returns the drafts per request handed to vLLM each step."""
+        out = []
+        for s in range(n):
+            counts, tokens = [], 0
+            for i, rid in enumerate(self.ids):
+                g = self.given[rid]
+                acc = 0
+                while acc < g and self.accept(len(self.asked), i, acc):
+                    acc += 1
+                counts.append(1 + acc)
+                tokens += 1 + g
+            self.now += self.fixed + self.per_token * tokens  # the forward of this step
+            inp = StepInput(self.ids, counts, torch.zeros(sum(counts), dtype=torch.int64),
+                            torch.zeros(sum(counts), dtype=torch.int64), [True] * self.batch,
+                            [0] * self.batch, [1] * self.batch, k=K)
+            res = self.c.step(inp, self._server)
+            got = (res.drafts >= 0).sum(dim=1).numpy()
+            self.asked.append(got)
+            self.given = dict(zip(self.ids, got.tolist()))
+            out.append(got)
+        return out
+
+    def _server(self, inp: StepInput) -> StepOutput:
+        if inp.k > 0:
+            self.now += self.rt
+        return StepOutput(torch.full((len(inp.req_ids), inp.k), 5, dtype=torch.int64))
+
+
+def test_controller_turns_off_when_acceptance_collapses():
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=16)), batch=8)
+    t.accept = lambda step, i, j: step < 40                 # a good draft, then nothing is accepted
+    early = t.step(40)
+    assert np.mean([d.mean() for d in early[10:]]) > 3       # drafting while it pays
+    late = t.step(160)[40:]                                  # after it has seen the collapse
+    off = sum(1 for d in late if d.sum() == 0)
+    assert off >= len(late) * 0.8                            # most steps ask for no drafts at all
+    assert t.c.counters["probe_steps"] >= 1                  # but it keeps probing, at a bounded rate
+    assert t.c.counters["probe_steps"] <= len(late) / 16 + 2
+
+
+def test_controller_probes_and_turns_back_on():
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=8)), batch=4)
+    t.accept = lambda step, i, j: step >= 60                 # useless first, then a perfect draft
+    t.step(60)
+    assert sum(d.sum() for d in t.asked[30:60]) <= 4 * K * 5  # off apart from a few probes
+    back = t.step(80)[40:]
+    assert all(d.sum() > 0 for d in back)                    # noticed, and drafting again
+    assert np.mean([d.mean() for d in back]) > K / 2
+
+
+def test_controller_never_exceeds_configured_k():
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=4)), batch=16, per_token=0.0)
+    t.accept = lambda step, i, j: (step + i + j) % 3 != 0
+    for d in t.step(120):
+        assert d.max() <= K and d.min() >= 0
+    # and never more than the step asks for (the scheduler's K for this step)
+    c = Controller(ControllerSettings(k_max=K))
+    inp = StepInput(["a"], [1], torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), [True],
+                    [0], [1], k=2)
+    out = c.step(inp, lambda i: StepOutput(torch.full((1, i.k), 3, dtype=torch.int64)))
+    assert tuple(out.drafts.shape) == (1, 2)
+
+
+def test_min_k_keeps_speculation_on():
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, k_min=2)), batch=4)
+    t.accept = lambda step, i, j: False
+    assert all(d.min() >= 2 for d in t.step(60))
+
+
+def test_controller_same_on_every_tp_rank():
+    """Decisions are a function of the trace alone: two controllers (two ranks, or a replay)
+    fed the same inputs and times decide the same, step for step."""
+    def run():
+        t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=8)), batch=6)
+        t.accept = lambda step, i, j: (step // 20) % 2 == 0 and j < 3 + i % 3
+        return [d.tolist() for d in t.step(100)]
+    assert run() == run()
+
+
+def test_an_off_batch_sends_an_ingest_not_a_propose():
+    c = Controller(ControllerSettings(k_max=K, probe_interval=1000))
+    t = FakeTarget(c, batch=2, rt=0.5)                        # the round trip dwarfs the step
+    t.accept = lambda step, i, j: False
+    seen, server = [], t._server
+    t._server = lambda inp: (seen.append(inp.k), server(inp))[1]
+    t.step(30)
+    assert seen[-1] == 0 and seen.count(0) >= 20            # nothing asked of the server: an ingest
+    assert c.snapshot()["k_chosen"]["0"] >= 40
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="adaptive_min_k"):
+        ControllerSettings(k_max=3, k_min=4)
+    with pytest.raises(ValueError, match="probe_interval"):
+        dataclasses.replace(ControllerSettings(k_max=3), probe_interval=0)
