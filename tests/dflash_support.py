@@ -79,3 +79,84 @@ def reference(ref: DFlashReference, rows: torch.Tensor, anchor: int, k: int) -> 
 def eager(engine_weights, rows: torch.Tensor, anchor: int, k: int) -> torch.Tensor:
     """The old engine's logits ``[k, V]`` (fp32) over the same rows."""
     return reference_propose(engine_weights, rows, torch.arange(len(rows)), anchor, k)[1]
+
+
+def random_ops(engine, m: Mirror, live: list, ops, gen: torch.Generator, on_propose) -> None:
+    """Apply a hypothesis sequence of batched chunked ingests (with rewinds), forks, releases and
+    proposals to ``live`` states; capacity failures must change nothing; ``on_propose(states,
+    anchors, k)`` checks each proposal; lengths and block reference counts are checked after
+    every operation."""
+    from collections import Counter
+
+    import pytest
+
+    from k3_accel.server.engines.base import EngineError, EngineFault
+
+    def snapshot() -> tuple:
+        return ([(list(s.blocks), s.length) for s in live], engine.pool.free_blocks,
+                [engine.pool.refcount(b) for b in range(engine.pool.num_blocks)])
+
+    for op in ops:
+        if op[0] == "ingest":
+            items, seen = [], set()
+            for idx, back, n in op[1]:
+                state = live[idx % len(live)] if live else None
+                if state is None or id(state) in seen:
+                    continue
+                seen.add(id(state))
+                items.append((state, max(0, engine.length(state) - back), random_rows(gen, n)))
+            if not items:
+                continue
+            need = sum(engine.blocks_needed(s, start, len(r)) for s, start, r in items)
+            snap = snapshot()
+            if need > engine.pool.free_blocks:
+                with pytest.raises(EngineError) as err:
+                    m.ingest(items)
+                assert err.value.fault is EngineFault.CAPACITY and snapshot() == snap
+            else:
+                m.ingest(items)
+        elif op[0] == "fork" and live:
+            src = live[op[1] % len(live)]
+            length = int(op[2] * engine.length(src))
+            if engine.pool.fork_needed(length) > engine.pool.free_blocks:
+                with pytest.raises(EngineError):
+                    engine.fork(src, length)
+            else:
+                live.append(m.fork(src, length))
+        elif op[0] == "release" and live:
+            m.release(live.pop(op[1] % len(live)))
+        elif op[0] == "propose" and live:
+            states = list({id(s): s for s in (live[i % len(live)] for i in op[1])}.values())
+            on_propose(states, [(op[3] + 31 * i) % 512 for i in range(len(states))], op[2])
+        m.check_lengths()
+        held = Counter(b for s in live for b in s.blocks)
+        for block in range(engine.pool.num_blocks):
+            assert engine.pool.refcount(block) == held.get(block, 0)
+        assert engine.pool.used_blocks == len(held)
+        for s in live:
+            assert len(s.blocks) == engine.pool.blocks_for(s.length)
+
+
+def check_proposal(prop: Proposal, rows: list[torch.Tensor], anchors, k: int, want, dtype) -> int:
+    """Every request's logits and drafts against ``want(rows, anchor, k)`` under ``dtype``'s
+    precision rule; returns the clear draft positions."""
+    from k3_accel.testing.precision import check_drafts, check_logits
+    clear = 0
+    for i, (r, a) in enumerate(zip(rows, anchors)):
+        expected = want(r, a, k)
+        check_logits(prop.logits[i], expected, dtype)
+        clear += check_drafts(prop.tokens[i], expected, dtype)
+    return clear
+
+
+def random_ops_strategy():
+    """Hypothesis operation sequences for :func:`random_ops`."""
+    from hypothesis import strategies as st
+    return st.lists(st.one_of(
+        st.tuples(st.just("ingest"), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 9),
+                                                        st.integers(0, 40)), min_size=1, max_size=3)),
+        st.tuples(st.just("fork"), st.integers(0, 5), st.floats(0, 1)),
+        st.tuples(st.just("release"), st.integers(0, 5)),
+        st.tuples(st.just("propose"), st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True),
+                  st.integers(1, 7), st.integers(0, 511)),
+    ), min_size=4, max_size=14)

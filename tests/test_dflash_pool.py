@@ -10,17 +10,14 @@
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_support import Mirror, checkpoint, eager, random_rows
+from dflash_support import Mirror, check_proposal, checkpoint, eager, random_ops, random_ops_strategy, random_rows
 from k3_accel.server.engines.base import EngineError, EngineFault
 from k3_accel.server.engines.dflash import DFlashEngine, load_dflash
-from k3_accel.testing.precision import check_drafts, check_logits
 
 
 @pytest.fixture(scope="module")
@@ -73,24 +70,7 @@ def test_capacity_is_exactly_the_budget(ckpt):
     assert engine.pool.free_blocks == engine.pool.num_blocks and engine.stats()["pool_used_blocks"] == 0
 
 
-def _check_pool(engine: DFlashEngine, states) -> None:
-    """Reference counts equal table memberships; used = distinct blocks held."""
-    held = Counter(b for s in states for b in s.blocks)
-    for block in range(engine.pool.num_blocks):
-        assert engine.pool.refcount(block) == held.get(block, 0)
-    assert engine.pool.used_blocks == len(held)
-    for s in states:
-        assert len(s.blocks) == engine.pool.blocks_for(s.length)
-
-
-_OPS = st.lists(st.one_of(
-    st.tuples(st.just("ingest"), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 9),
-                                                    st.integers(0, 40)), min_size=1, max_size=3)),
-    st.tuples(st.just("fork"), st.integers(0, 5), st.floats(0, 1)),
-    st.tuples(st.just("release"), st.integers(0, 5)),
-    st.tuples(st.just("propose"), st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True),
-              st.integers(1, 7), st.integers(0, 511)),
-), min_size=4, max_size=14)
+_OPS = random_ops_strategy()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -99,49 +79,15 @@ _OPS = st.lists(st.one_of(
 def test_random_sequences_match_oracle_and_never_leak(ckpt, oracle_weights, ops, seed):
     engine = _engine(ckpt, blocks=12)
     m = Mirror(engine)
-    gen = torch.Generator().manual_seed(seed)
     live = [m.new(), m.new()]
     clear = total = 0
-    for op in ops:
-        if op[0] == "ingest":
-            items, seen = [], set()
-            for idx, back, n in op[1]:
-                state = live[idx % len(live)] if live else None
-                if state is None or id(state) in seen:
-                    continue
-                seen.add(id(state))
-                items.append((state, max(0, engine.length(state) - back), random_rows(gen, n)))
-            if not items:
-                continue
-            need = sum(engine.blocks_needed(s, start, len(r)) for s, start, r in items)
-            snap = _snapshot(engine, live)
-            if need > engine.pool.free_blocks:
-                with pytest.raises(EngineError) as err:
-                    m.ingest(items)
-                assert err.value.fault is EngineFault.CAPACITY and _snapshot(engine, live) == snap
-            else:
-                m.ingest(items)
-        elif op[0] == "fork" and live:
-            src = live[op[1] % len(live)]
-            length = int(op[2] * engine.length(src))
-            if engine.pool.fork_needed(length) > engine.pool.free_blocks:
-                with pytest.raises(EngineError):
-                    engine.fork(src, length)
-            else:
-                live.append(m.fork(src, length))
-        elif op[0] == "release" and live:
-            m.release(live.pop(op[1] % len(live)))
-        elif op[0] == "propose" and live:
-            states = list({id(s): s for s in (live[i % len(live)] for i in op[1])}.values())
-            k, anchors = op[2], [(op[3] + 31 * i) % 512 for i in range(len(states))]
-            prop = m.propose(states, anchors, k)
-            for i, (s, a) in enumerate(zip(states, anchors)):
-                want = eager(oracle_weights, m.rows[s], a, k)
-                check_logits(prop.logits[i], want, torch.float32)
-                clear += check_drafts(prop.tokens[i], want, torch.float32)
-                total += k
-        m.check_lengths()
-        _check_pool(engine, live)
+
+    def check(states, anchors, k):
+        nonlocal clear, total
+        clear += check_proposal(m.propose(states, anchors, k), [m.rows[s] for s in states], anchors, k,
+                                lambda rows, a, k: eager(oracle_weights, rows, a, k), torch.float32)
+        total += k * len(states)
+    random_ops(engine, m, live, ops, torch.Generator().manual_seed(seed), check)
     assert clear >= 0.8 * total
     for s in live:
         m.release(s)

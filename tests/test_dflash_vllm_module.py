@@ -20,44 +20,20 @@ from k3_accel.testing.dflash_reference import DFlashReference
 from k3_accel.testing.precision import check_drafts, check_logits
 
 _VLLM_ORACLE = r'''
-import os, socket, sys
+import os, sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from vllm.config import set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 from vllm.utils.torch_utils import set_default_torch_dtype
+from helpers.vllm_attention import init_world, stand_in
 
 draft, target, io_path, out_path = sys.argv[1:]
 case = load_file(io_path)
 k = int(case["k"])
-captured = {}
-
-
-class Capture:                      # stands in for the attention impl's cache write
-    def __init__(self, i): self.i = i
-    def do_kv_cache_update(self, attn, key, value, kv_cache, slot_mapping):
-        captured[self.i] = (key.clone(), value.clone())
-
-
-class Attend(torch.nn.Module):      # context K/V (captured) + block K/V, non-causal
-    def __init__(self, i, sa):
-        super().__init__()
-        self.i, self.nh, self.nkv, self.hd = i, sa.num_heads, sa.num_kv_heads, sa.head_dim
-    def forward(self, q, key, value):
-        n, g = q.shape[0], self.nh // self.nkv
-        ck, cv = captured[self.i]
-        kk = torch.cat([ck.view(-1, self.nkv, self.hd), key.view(n, self.nkv, self.hd)])
-        vv = torch.cat([cv.view(-1, self.nkv, self.hd), value.view(n, self.nkv, self.hd)])
-        o = F.scaled_dot_product_attention(
-            q.view(n, self.nh, self.hd).transpose(0, 1).float(),
-            kk.transpose(0, 1).repeat_interleave(g, 0).float(),
-            vv.transpose(0, 1).repeat_interleave(g, 0).float())
-        return o.transpose(0, 1).reshape(n, self.nh * self.hd).to(q.dtype)
 
 
 def build(vc):
@@ -69,9 +45,7 @@ def build(vc):
     model.lm_head.weight.copy_(tw["lm_head.weight"])
     process_weights_after_loading(model, vc.speculative_config.draft_model_config,
                                   torch.device("cpu"))
-    for i, (layer, attn) in enumerate(zip(model.model.layers, model.model._attn_layers)):
-        attn.impl = Capture(i)
-        layer.self_attn.attn = Attend(i, layer.self_attn)
+    stand_in(model)
     return model
 
 
@@ -82,12 +56,7 @@ for n_dtype, dtype in enumerate(("float32", "bfloat16")):
                                         "num_speculative_tokens": k}).create_engine_config()
     with set_current_vllm_config(vc), torch.no_grad():
         if n_dtype == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
-            initialize_model_parallel(1, 1)
+            init_world()
         model = build(vc)
         mask = model.model.mask_token_id
         for j in range(int(case["n"])):

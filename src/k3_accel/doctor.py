@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from k3_accel.transport import handshake
-from k3_accel.vllm.spec_decode.methods import HIDDEN_METHODS
+from k3_accel.vllm.spec_decode.methods import HIDDEN_METHODS, draft_signature
 from k3_accel.vllm.spec_decode.session import aux_layer_ids
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -77,6 +77,8 @@ def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[h
     if spec.get("model"):
         draft = _read_json(Path(spec["model"]) / "config.json", "draft model (speculative_config.model)")
         archs = draft.get("architectures") or []
+        if method == "dspark" and "DSparkDraftModel" in archs and draft.get("model_type") == "qwen3":
+            archs = ["Qwen3DSparkModel"]            # vLLM renames it so
         if method in HIDDEN_METHODS:
             layers = aux_layer_ids(SimpleNamespace(method=method, model=spec["model"], draft_model_config=(
                 SimpleNamespace(hf_config=SimpleNamespace(**draft)))))
@@ -86,7 +88,9 @@ def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[h
     needs = handshake.TargetNeeds(context_width=len(layers) * hidden if ships else 0, hidden_dtype=dtype,
                                   num_speculative_tokens=k, vocab_size=int(text.get("vocab_size", 0)),
                                   hidden_size=hidden if ships else 0, aux_layer_ids=layers if ships else (),
-                                  max_requests=max_num_seqs)
+                                  max_requests=max_num_seqs,
+                                  draft=draft_signature(SimpleNamespace(method=method, draft_model_config=(
+                                      SimpleNamespace(hf_config=SimpleNamespace(**draft))))) if spec.get("model") else {})
     spec_ns = SimpleNamespace(method=method, draft_model_config=SimpleNamespace(architectures=archs),
                               draft_heads=int(draft.get("num_attention_heads", 0)) if spec.get("model") else 0,
                               draft_tp=spec.get("draft_tensor_parallel_size"))
@@ -117,13 +121,13 @@ def diagnose(address: str, needs: handshake.TargetNeeds, spec: Any, *, max_batch
         report.note(tp_note)
     why = unserved_reason(spec)
     if why is not None:
-        report.bad(f"speculative method: {why}; set method to dflash or ngram")
+        report.bad(f"speculative method: {why}; set method to dflash, dspark or ngram")
         return report
     settings = ClientSettings(address=address, timeout_ms=timeout_ms, max_rows=max(max_batched_tokens, 64),
                               context_width=needs.context_width, hidden_dtype=needs.hidden_dtype,
                               num_speculative_tokens=needs.num_speculative_tokens,
                               target_vocab_size=needs.vocab_size, hidden_size=needs.hidden_size,
-                              aux_layer_ids=needs.aux_layer_ids, max_requests=needs.max_requests,
+                              aux_layer_ids=needs.aux_layer_ids, max_requests=needs.max_requests, draft=needs.draft,
                               curve_server_key=curve_server_key, curve_client_key=curve_client_key,
                               client_name="k3-accel-doctor")
     client = DraftClient(settings).start()

@@ -80,11 +80,13 @@ def _weight(text: str) -> tuple[str, int]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="k3-draft-server", description=__doc__,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--engine", choices=["ngram", "dflash"], default="ngram",
-                    help="drafting engine: ngram (prompt lookup, no weights) or dflash (block drafting)")
-    ap.add_argument("--draft-model", metavar="DIR", help="DFlash draft checkpoint (config.json + safetensors)")
+    ap.add_argument("--engine", choices=["ngram", "dflash", "dspark"], default="ngram",
+                    help="drafting engine: ngram (prompt lookup, no weights), dflash (block drafting) or "
+                         "dspark (block drafting + Markov head, with confidence when the checkpoint has it)")
+    ap.add_argument("--draft-model", metavar="DIR",
+                    help="DFlash or DSpark draft checkpoint (config.json + safetensors)")
     ap.add_argument("--target-model", metavar="DIR",
-                    help="target checkpoint; only embed_tokens and lm_head are read (dflash)")
+                    help="target checkpoint; only embed_tokens and lm_head are read (dflash, dspark)")
     ap.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="draft compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -133,11 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     """Cross-flag checks; each failure exits 2 with a message naming the flag."""
-    if args.engine == "dflash":
+    if args.engine in ("dflash", "dspark"):
         for flag in ("draft_model", "target_model"):
             value = getattr(args, flag)
             if not value or not Path(value).is_dir():
-                ap.error(f"--engine dflash needs --{flag.replace('_', '-')} DIR (got {value!r})")
+                ap.error(f"--engine {args.engine} needs --{flag.replace('_', '-')} DIR (got {value!r})")
     if bool(args.curve_secret_key) != bool(args.curve_authorized_keys):
         ap.error("--curve-secret-key and --curve-authorized-keys go together")
     if args.ipc_path is not None:
@@ -176,10 +178,11 @@ def _load_engine(args: argparse.Namespace) -> DraftEngine:
         return NgramEngine(max_spec_tokens=args.num_speculative_tokens, min_n=args.ngram_min,
                            max_n=args.ngram_max, block_size=args.block_size,
                            budget_bytes=budget or DEFAULT_BUDGET_BYTES)
-    from k3_accel.server.engines.dflash import DFlashEngine
+    from k3_accel.server.engines.dflash import DFlashEngine, DSparkEngine
     pool = {"budget_bytes": budget} if budget is not None else (
         {"memory_fraction": args.gpu_memory_fraction} if args.device.startswith("cuda") else {})
-    return DFlashEngine(args.draft_model, args.target_model, device=args.device, dtype=args.dtype,
+    engine = DSparkEngine if args.engine == "dspark" else DFlashEngine
+    return engine(args.draft_model, args.target_model, device=args.device, dtype=args.dtype,
                         max_spec_tokens=args.num_speculative_tokens, block_size=args.block_size,
                         graph_k=(args.num_speculative_tokens,), **pool)
 

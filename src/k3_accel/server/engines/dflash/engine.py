@@ -92,14 +92,8 @@ class DFlashEngine(DraftEngine):
         cfg = weights.config
         if max_spec_tokens is not None and max_spec_tokens < 0:
             raise ValueError(f"max_spec_tokens must be >= 0, got {max_spec_tokens}")
-        limit = cfg.block_size - 1
         self.config, self.device, self.dtype = cfg, weights.device, weights.dtype
-        self.caps = EngineCaps(
-            kind="dflash", needs_hidden_states=True, context_width=cfg.context_width,
-            supports_logits=True, supports_topk=True,
-            max_spec_tokens=limit if max_spec_tokens is None else min(max_spec_tokens, limit),
-            block_size=block_size, vocab_size=cfg.vocab_size, hidden_size=cfg.target_hidden_size,
-            mask_token_id=cfg.mask_token_id, aux_layer_ids=tuple(cfg.target_layer_ids))
+        self.caps = self._caps(block_size, max_spec_tokens)
         self.ops = select_ops(kernels, self.device, weights, block_size)
         self.weights = fuse(weights)
         cuda = self.device.type == "cuda"
@@ -127,6 +121,15 @@ class DFlashEngine(DraftEngine):
             for k in graph_k if graph_k is not None else (self.caps.max_spec_tokens,):
                 if 0 < k <= self.caps.max_spec_tokens:
                     self.graphs.capture(k)
+
+    def _caps(self, block_size: int, max_spec_tokens: int | None) -> EngineCaps:
+        cfg, limit = self.config, self.config.block_size - 1
+        return EngineCaps(
+            kind="dflash", needs_hidden_states=True, context_width=cfg.context_width,
+            supports_logits=True, supports_topk=True,
+            max_spec_tokens=limit if max_spec_tokens is None else min(max_spec_tokens, limit),
+            block_size=block_size, vocab_size=cfg.vocab_size, hidden_size=cfg.target_hidden_size,
+            mask_token_id=cfg.mask_token_id, aux_layer_ids=tuple(cfg.target_layer_ids))
 
     def _workspace_bytes(self, max_batch: int) -> int:
         """Activation room kept out of the pool: logits and MLP rows of the largest batch."""
@@ -262,8 +265,9 @@ class DFlashEngine(DraftEngine):
         return block_logits(self.weights, self.ops, self.cache.kv, batch,
                             self._splits(batch.anchors.shape[0]))
 
-    def drafts(self, batch: BlockBatch) -> torch.Tensor:
-        """Greedy draft ids ``[R, k]`` on the device (graph-capturable)."""
+    def drafts(self, batch: BlockBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy draft ids ``[R, k]`` on the device (graph-capturable); an engine with
+        per-draft confidence returns ``(ids, confidence [R, k] float32)``."""
         return greedy(self.weights, self.ops, self.forward(batch))
 
     @torch.inference_mode()
@@ -279,7 +283,7 @@ class DFlashEngine(DraftEngine):
             if batch.logits == "none" and self.graphs is not None:
                 tokens = self.graphs.run(anchors, batch.states, k)
             if tokens is not None:
-                out = Proposal(tokens[0], ready=tokens[1])
+                out = Proposal(tokens[0], ready=tokens[1], confidence=tokens[2])
             else:
                 out = self._propose_eager(anchors, batch)
         self._stats["propose_batch"] = r

@@ -29,6 +29,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor      # device int32 buffer the graph reads
     tokens: torch.Tensor      # device [bucket, k] int64 the graph writes
+    confidence: torch.Tensor | None = None   # device [bucket, k] float32 (engines with confidence)
 
 
 class GraphRunner:
@@ -47,6 +48,8 @@ class GraphRunner:
         top, kmax = self.buckets[-1], eng.caps.max_spec_tokens
         self.host_in = torch.zeros(top * (2 + self.width), dtype=torch.int32, pin_memory=True)
         self.host_out = torch.zeros(top * max(1, kmax), dtype=torch.int64, pin_memory=True)
+        self.host_conf = (torch.zeros(top * max(1, kmax), dtype=torch.float32, pin_memory=True)
+                          if eng.caps.confidence else None)
         self.done = torch.cuda.Event()
 
     def reset(self) -> None:
@@ -66,15 +69,16 @@ class GraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.mempool, stream=eng.stream,
                                   capture_error_mode="thread_local"):
-                tokens = eng.drafts(batch)
-            self.graphs[(bucket, k)] = _Graph(graph, inputs, tokens)
+                out = eng.drafts(batch)
+            tokens, confidence = out if isinstance(out, tuple) else (out, None)
+            self.graphs[(bucket, k)] = _Graph(graph, inputs, tokens, confidence)
         self.captured_k.add(k)
 
     def run(self, anchors: torch.Tensor, states: list[BlockTable], k: int
-            ) -> tuple[torch.Tensor, torch.cuda.Event] | None:
-        """Draft ids ``[R, k]`` in pinned host memory and the event after which they are
-        there, or None when no graph fits (the caller runs the step eagerly). The ids are
-        valid until the next call. Call on the engine's stream."""
+            ) -> tuple[torch.Tensor, torch.cuda.Event, torch.Tensor | None] | None:
+        """Draft ids ``[R, k]`` in pinned host memory, the event after which they are
+        there and their confidence (or None), or None when no graph fits (the caller runs
+        the step eagerly). Valid until the next call. Call on the engine's stream."""
         r = len(states)
         bucket = next((b for b in self.buckets if b >= r), None)
         if bucket is None or max(len(s.blocks) for s in states) > self.width:
@@ -88,5 +92,10 @@ class GraphRunner:
         g.graph.replay()
         out = self.host_out[:bucket * k].view(bucket, k)
         out.copy_(g.tokens, non_blocking=True)
+        conf = None
+        if g.confidence is not None:
+            conf = self.host_conf[:bucket * k].view(bucket, k)
+            conf.copy_(g.confidence, non_blocking=True)
+            conf = conf[:r]
         self.done.record(self.engine.stream)
-        return out[:r], self.done
+        return out[:r], self.done, conf

@@ -99,23 +99,36 @@ def context_projection(fw: FusedWeights, ops: Any, hidden: torch.Tensor) -> torc
 
 @dataclass
 class BlockBatch:
-    """Device inputs of one propose: ``R`` query blocks of ``T = k + 1`` rows."""
+    """Device inputs of one propose: ``R`` query blocks of ``T = k + 1`` rows (DFlash's fill-in
+    layout: offsets 1..k are the drafts), or of ``T = k`` rows with ``from_anchor`` (DSpark's
+    default: every row predicts the next token)."""
     anchors: torch.Tensor             # [R] int
     ctx_lens: torch.Tensor            # [R] int32: context rows of each request
     tables: torch.Tensor              # [R, W] int32: block ids (entries past a context unread)
     k: int
+    from_anchor: bool = False
 
     @property
     def rows(self) -> int:
-        return self.k + 1
+        return self.k if self.from_anchor else self.k + 1
 
 
 def block_logits(fw: FusedWeights, ops: Any, kv: torch.Tensor, batch: BlockBatch, splits: int
                  ) -> torch.Tensor:
-    """Logits ``[R, k, draft_V]`` (model dtype, ``logit_scale`` applied) of draft offsets
-    1..k: the blocks ``[anchor, mask * k]`` at positions ``L_r .. L_r + k`` through the
-    draft layers, each attending to its paged context (``kv [2, L, blocks, rows, nkv, hd]``)
-    and its own block."""
+    """Logits ``[R, k, draft_V]`` (model dtype, ``logit_scale`` applied) of the draft rows
+    of :func:`block_hidden`."""
+    logits = F.linear(block_hidden(fw, ops, kv, batch, splits), fw.lm_head)
+    if fw.config.logit_scale != 1.0:
+        logits = logits * fw.config.logit_scale
+    return logits.view(batch.anchors.shape[0], batch.k, -1)
+
+
+def block_hidden(fw: FusedWeights, ops: Any, kv: torch.Tensor, batch: BlockBatch, splits: int
+                 ) -> torch.Tensor:
+    """Final-normed hidden states ``[R * k, H]`` of the draft rows: the blocks ``[anchor,
+    mask * (T - 1)]`` at positions ``L_r .. L_r + T - 1`` through the draft layers, each
+    attending to its paged context (``kv [2, L, blocks, rows, nkv, hd]``) and its own block;
+    the rows kept are offsets 1..k (fill-in) or 0..k-1 (``from_anchor``)."""
     cfg = fw.config
     r, t = batch.anchors.shape[0], batch.rows
     offsets = torch.arange(t, device=batch.ctx_lens.device)
@@ -139,13 +152,11 @@ def block_logits(fw: FusedWeights, ops: Any, kv: torch.Tensor, batch: BlockBatch
         x = F.linear(attn, lw.o, lw.o_bias)
         x, residual = ops.add_rms_norm(x, residual, lw.post_norm, eps)
         x = F.linear(ops.silu_mul(F.linear(x, lw.gate_up)), lw.down)
-    # Only offsets 1..k are drafts: the final norm and lm_head skip each block's anchor row.
-    keep = lambda z: z.view(r, t, -1)[:, 1:].reshape(r * batch.k, -1)   # noqa: E731
+    # Only the draft rows go through the final norm (fill-in: each block's anchor row is skipped).
+    first = 0 if batch.from_anchor else 1
+    keep = lambda z: z.view(r, t, -1)[:, first:].reshape(r * batch.k, -1)   # noqa: E731
     h, _ = ops.add_rms_norm(keep(x), keep(residual), fw.norm, eps)
-    logits = F.linear(h, fw.lm_head)
-    if cfg.logit_scale != 1.0:
-        logits = logits * cfg.logit_scale
-    return logits.view(r, batch.k, -1)
+    return h
 
 
 def greedy(fw: FusedWeights, ops: Any, logits: torch.Tensor) -> torch.Tensor:

@@ -199,17 +199,18 @@ def _read_target(root: Path, cfg: DFlashConfig, need_embed: bool, need_head: boo
 
 
 def load_dflash(draft_dir: str | os.PathLike, target_dir: str | os.PathLike,
-                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-                ) -> DFlashWeights:
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                config: DFlashConfig | None = None) -> DFlashWeights:
     """Load and validate a DFlash draft plus the shared target tensors.
 
     ``embed_tokens`` / ``lm_head`` come from the draft when it ships them (as
     vLLM keeps a draft's own copies) and otherwise from the target. Guarantees
     on return: every tensor has the shape the config implies, float tensors are
-    ``dtype`` on ``device``, ``d2t`` is int64 or None.
+    ``dtype`` on ``device``, ``d2t`` is int64 or None. ``config``: the draft's config
+    already parsed (a DSpark backbone), else its ``config.json`` read as DFlash.
     """
     root = Path(draft_dir)
-    cfg = read_dflash_config(root)
+    cfg = config or read_dflash_config(root)
     draft = _read_draft(root, cfg)
     d2t = _check_d2t(draft, cfg, root)
     shared = _read_target(Path(target_dir), cfg, "embed_tokens.weight" not in draft,

@@ -1,0 +1,70 @@
+"""DSpark's sequential stage over the DFlash backbone, greedy and on the device.
+
+After :func:`.model.block_hidden` (one parallel pass over each request's query
+block), the Markov head drafts left to right exactly as vLLM 0.33's
+``DSparkSpeculator._sample_sequential`` does with greedy drafting:
+
+    base = lm_head(h) * logit_scale                      (draft vocabulary, [R, k, dV])
+    prev = anchor                                        (a target id)
+    for i in 0..k-1:
+        e_i = markov_w1[prev]                            ([R, r])
+        logits_i = base[:, i] + markov_w2(e_i) * logit_scale
+        draft_i = map_draft_to_target(argmax(logits_i)); prev = draft_i
+    confidence = sigmoid(proj([h_i | e_i]))              (float32; [h_i] without the Markov input)
+
+With ``dspark_draft_topk`` the bias is added only to the top-k base logits (every other
+entry -inf), as ``_sample_sequential_topk`` does. No host synchronisation: the loop is
+capturable in a CUDA graph.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .dspark_config import DSparkConfig
+from .dspark_weights import DSparkHeads
+from .model import BlockBatch, FusedWeights, block_hidden
+
+
+def to_target(fw: FusedWeights, ids: torch.Tensor) -> torch.Tensor:
+    """``map_draft_to_target``: draft ids + d2t (identity for a full-vocabulary draft)."""
+    return ids if fw.d2t is None else ids + fw.d2t[ids]
+
+
+def dspark_drafts(fw: FusedWeights, heads: DSparkHeads, ops: Any, kv: torch.Tensor, batch: BlockBatch,
+                  splits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Greedy target ids ``[R, k]`` int64 and, with a confidence head, their float32
+    confidence ``[R, k]`` (else None)."""
+    cfg: DSparkConfig = fw.config
+    r, k, scale = batch.anchors.shape[0], batch.k, cfg.logit_scale
+    h = block_hidden(fw, ops, kv, batch, splits)                        # [R*k, H], (request, step)
+    base = F.linear(h, fw.lm_head)
+    if scale != 1.0:
+        base = base * scale
+    base = base.view(r, k, -1)
+    if cfg.draft_topk is not None:
+        values, index = base.topk(cfg.draft_topk, dim=-1)
+        dense = torch.full_like(base[:, 0], float("-inf"))
+    prev = batch.anchors.long()
+    drafts, embeds = [], []
+    for i in range(k):
+        e = F.embedding(prev, heads.markov_w1)                          # [R, r]
+        embeds.append(e)
+        if cfg.draft_topk is None:
+            bias = F.linear(e, heads.markov_w2)
+            logits = base[:, i] + (bias * scale if scale != 1.0 else bias)
+        else:
+            w = heads.markov_w2[index[:, i]]                            # [R, topk, r]
+            corrected = values[:, i].unsqueeze(-1).clone()
+            corrected.baddbmm_(w, e.unsqueeze(-1), beta=1.0, alpha=scale)
+            logits = dense.fill_(float("-inf")).scatter(1, index[:, i], corrected.squeeze(-1))
+        prev = to_target(fw, ops.argmax(logits).view(r))
+        drafts.append(prev)
+    ids = torch.stack(drafts, dim=1)
+    if heads.confidence_w is None:
+        return ids, None
+    x = torch.cat([h, torch.stack(embeds, dim=1).flatten(0, 1)], -1) if cfg.confidence_with_markov else h
+    conf = torch.sigmoid(F.linear(x.float(), heads.confidence_w, heads.confidence_b).squeeze(-1))
+    return ids, conf.view(r, k)
