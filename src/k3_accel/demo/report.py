@@ -75,6 +75,21 @@ def _fail_closed(rounds: dict[str, dict], before: dict | None) -> str:
             "draft tokens accepted")
 
 
+def _controller(client: dict) -> str:
+    """What the per-step K controller decided (requests' drafts per step, how often it was off)."""
+    c = client.get("controller")
+    if not c:
+        return "fixed (adaptive off)"
+    hist = {int(k): n for k, n in (c.get("k_chosen") or {}).items()}
+    total = sum(hist.values()) or 1
+    spread = " ".join(f"K={k}: {n / total:.0%}" for k, n in sorted(hist.items()) if n)
+    rt = c.get("round_trip_ms")
+    return (f"chosen per request and step by the controller ({spread or 'no steps'}); speculation off for "
+            f"{c.get('off_steps', 0)} steps, {c.get('probe_steps', 0)} probes; measured: target step "
+            f"{c['step_ms']['fixed']:.2f} ms + {c['step_ms']['per_token'] * 1e3:.1f} us/token, draft round trip "
+            f"{'-' if rt is None else f'{rt:.2f} ms'}")
+
+
 def _checkpoints(result: dict, tiny: str | None) -> str:
     if tiny is None:
         return "your checkpoints"
@@ -111,6 +126,7 @@ def format_report(result: dict, engine: str, tiny: str | None, workdir: str | No
         f"  deferred ingest    {'yes' if deferred else 'NOT SEEN'}: {deferred} prefill chunks of the long prompt "
         "went to the draft server without the target waiting for it",
         f"  fails closed       {_fail_closed(by_label, main[-1])}",
+        f"  speculation K      {_controller(client)}",
         f"  draft server       {ops.get('propose', 0)} propose and {ops.get('ingest', 0)} ingest messages, "
         f"{server.get('ingested_rows', 0)} context rows, {server.get('tokens_proposed', 0)} draft tokens "
         f"(before the crash); its Prometheus metrics were at {srv.get('metrics_url', '-')}",

