@@ -45,16 +45,21 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab
             "eos_token_id": 151645, "torch_dtype": "bfloat16"}
 
 
-def write_checkpoints(root: Path) -> tuple[str, str]:
+TINY = {**QWEN3_8B, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_window_layers": 4,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}    # --shape tiny: a CPU smoke run
+
+
+def write_checkpoints(root: Path, shape: str = "qwen3-8b") -> tuple[str, str]:
     """Config-only directories: the target (vLLM loads dummy weights) and the draft (the
     target's vLLM reads only its config; the oracle server makes its weights on the device)."""
     target, draft = root / "target", root / "draft"
     for d in (target, draft):
         d.mkdir(parents=True, exist_ok=True)
-    (target / "config.json").write_text(json.dumps(QWEN3_8B))
+    (target / "config.json").write_text(json.dumps(QWEN3_8B if shape == "qwen3-8b" else TINY))
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": 151645}))
     from draft_step import config
-    c = config(quick=False)
+    c = config(quick=shape != "qwen3-8b")
     (draft / "config.json").write_text(json.dumps({
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
@@ -73,12 +78,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(target: str, draft: str, control: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(target: str, draft: str, control: Path, log: Path, shape: str = "qwen3-8b",
+                 device: str = "cuda") -> tuple[subprocess.Popen, str]:
     from k3_accel.demo.server import http_status
     port, http = _free_port(), _free_port()
     cmd = [sys.executable, str(HERE / "oracle_server.py"), "--oracle-control", str(control),
-           "--random-draft", "qwen3-8b", "--draft-model", draft, "--target-model", target,
-           "--device", "cuda", "--dtype", "bfloat16", "--num-speculative-tokens", str(K),
+           "--random-draft", shape, "--draft-model", draft, "--target-model", target,
+           "--device", device, "--dtype", "bfloat16" if device == "cuda" else "float32", "--num-speculative-tokens", str(K),
            "--memory-budget-mb", "8192", "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http)]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
@@ -130,12 +136,31 @@ def generate(llm, prompts: list[list[int]], tokens: int) -> tuple[float, list[li
 
 def make_llm(target: str, args, **extra):
     from vllm import LLM
-    llm = LLM(model=target, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    llm = LLM(model=target, load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16" if args.shape == "qwen3-8b" else "float32",
               max_model_len=args.prompt_len + args.tokens + 64, max_num_seqs=32,
               gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=False, seed=0, **extra)
     if args.head == "zero":
         assert llm.collective_rpc(_zero_head)[0] == 1
     return llm
+
+
+def _oracle_counts(doc: dict, path: Path, work: Path) -> None:
+    """The oracle's own counts per (length, B): drafts it made right = what a greedy target
+    accepts when its output equals the record (``identical_to_record``)."""
+    for line in path.read_text().splitlines() if path.exists() else []:
+        c = json.loads(line)
+        for b in BATCHES:
+            entry = doc["remote"].get(str(c["length"]), {}).get(b)
+            if entry is not None and c["record"] == str(work / f"record-{b}.json") and c["found"]:
+                entry["oracle"] = {k: c[k] for k in ("requests", "found", "scheduled_accepts")}
+                entry["oracle_acceptance_length"] = 1 + c["scheduled_accepts"] / c["found"]
+
+
+def _save(doc: dict, out: str | None) -> None:
+    """The document so far (a run cut short by its time limit keeps what it measured)."""
+    if out:
+        Path(out).write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def main() -> int:
@@ -146,16 +171,20 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--head", choices=["zero", "dummy"], default="zero")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    ap.add_argument("--plugin", default="{}",
+                    help='more additional_config["k3_accel"] keys as JSON, e.g. \'{"adaptive": "off"}\' for a fixed K')
+    ap.add_argument("--shape", choices=["qwen3-8b", "tiny"], default="qwen3-8b", help="tiny: CPU smoke run")
     args = ap.parse_args()
     import numpy as np
     import torch
     from report import emit
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    target, draft = write_checkpoints(work)
+    target, draft = write_checkpoints(work, args.shape)
+    vocab = 150000 if args.shape == "qwen3-8b" else 4000
     rng = np.random.default_rng(0)
-    prompts = {b: rng.integers(1000, 150000, size=(b, args.prompt_len)).tolist() for b in BATCHES}
-    warm = rng.integers(1000, 150000, size=(8, 64)).tolist()
+    prompts = {b: rng.integers(10, vocab, size=(b, args.prompt_len)).tolist() for b in BATCHES}
+    warm = rng.integers(10, vocab, size=(8, 64)).tolist()
     doc: dict = {"config": vars(args), "baseline": {}, "remote": {}}
     llm = make_llm(target, args)
     generate(llm, warm, 16)
@@ -165,16 +194,19 @@ def main() -> int:
         doc["baseline"][b] = {"seconds": secs, "tokens_per_s": b * args.tokens / secs,
                               "distinct_output_ids": len({t for o in outs for t in o})}
         print(json.dumps({"baseline": b, **doc["baseline"][b]}), flush=True)
+        _save(doc, args.out)
     llm.llm_engine.engine_core.shutdown()
     del llm
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     control = work / "control.json"
     control.write_text(json.dumps({"length": 1.0, "record": str(work / "record-1.json")}))
-    server, address = start_server(target, draft, control, work / "oracle-server.log")
+    server, address = start_server(target, draft, control, work / "oracle-server.log", args.shape,
+                                   "cuda" if torch.cuda.is_available() else "cpu")
     try:
         llm = make_llm(target, args, speculative_config={"method": "dflash", "model": draft,
                                                          "num_speculative_tokens": K},
-                       additional_config={"k3_accel": {"draft_address": address}})
+                       additional_config={"k3_accel": {"draft_address": address, **json.loads(args.plugin)}})
         generate(llm, warm, 16)
         for length in LENGTHS:
             for b in BATCHES:
@@ -196,6 +228,11 @@ def main() -> int:
                          "accepted_per_position": [x / drafts for x in per_pos] if drafts else []}
                 doc["remote"].setdefault(str(length), {})[b] = entry
                 print(json.dumps({"length": length, "B": b, **entry}), flush=True)
+                _save(doc, args.out)
+        control.write_text(json.dumps({"length": 1.0, "record": None}))   # flushes the last counts
+        generate(llm, warm[:1], 4)
+        _oracle_counts(doc, Path(f"{control}.counts.jsonl"), work)
+        _save(doc, args.out)
         llm.llm_engine.engine_core.shutdown()
     finally:
         server.terminate()
@@ -207,7 +244,11 @@ def main() -> int:
                   "speculation, B=32, acceptance length 4",
         "ratio": speed[4.0][32], "goal": ">= 2.0 at B=32 and >= 2.5 at B=1 for length 4",
         "speedup": {str(L): {str(b): v for b, v in s.items()} for L, s in speed.items()},
-        "machine": f"1x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, vllm {__import__('vllm').__version__}",
+        "acceptance_length_proposed": {str(L): {str(b): r[str(L)][b].get("oracle_acceptance_length")
+                                                for b in BATCHES} for L in LENGTHS},
+        "outputs_identical_to_record": all(e["identical_to_record"] for x in r.values() for e in x.values()),
+        "server": "oracle DFlash engine (Qwen3-8B DFlash shape) on the same GPU as the target",
+        "machine": f"1x {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}, torch {torch.__version__}, vllm {__import__('vllm').__version__}",
         "date": datetime.date.today().isoformat()}
     emit(doc, args.out)
     return 0

@@ -12,7 +12,8 @@ server, engine, verification), not a model.
 
 Control: a JSON file ``{"length": L, "record": PATH, "seed": S}`` read again whenever its mtime
 changes (one ``os.stat`` per propose), so one server serves several acceptance lengths and
-batch sizes. The record is ``{"sequences": [[prompt + greedy output ids], ...]}``; a request is
+batch sizes; on each change the last setting's counts (requests, found in the record, drafts
+scheduled right) are appended to ``CONTROL.counts.jsonl``. The record is ``{"sequences": [[prompt + greedy output ids], ...]}``; a request is
 found by its first ``KEY`` context ids. Not part of the product: it lives under ``benchmarks/``.
 """
 from __future__ import annotations
@@ -88,7 +89,7 @@ class OracleDFlashEngine(DFlashEngine):
 
     def _build(self, weights: Any, *, control: str | None = None, **options: Any) -> None:
         super()._build(weights, **options)
-        self.control, self._mtime = control, None
+        self.control, self._mtime, self._record = control, None, None
         self.oracle = Oracle(1.0, [], self.config.vocab_size)
         self.last_compute: Proposal | None = None
 
@@ -97,7 +98,12 @@ class OracleDFlashEngine(DFlashEngine):
             return
         mtime = os.stat(self.control).st_mtime_ns
         if mtime != self._mtime:
+            if self._mtime is not None:       # what the last setting proposed, for the benchmark
+                with open(f"{self.control}.counts.jsonl", "a") as fh:
+                    fh.write(json.dumps({"length": self.oracle.length, "record": self._record,
+                                         **self.oracle.counts}) + "\n")
             self.oracle = Oracle.from_control(self.control, self.config.vocab_size)
+            self._record = json.loads(Path(self.control).read_text()).get("record")
             self._mtime = mtime
 
     @torch.inference_mode()

@@ -37,7 +37,7 @@ PROMPTS = [f"{p}{s}" for s in ("", " and then", ", said the teacher.", " again a
 CRASH = ["The children went to school", "Water boils at one hundred degrees", "The river ran to the sea"]
 ENGINE = {"max_model_len": 2048, "max_num_batched_tokens": 128, "max_num_seqs": 32, "dtype": "float32",
           "gpu_memory_utilization": 0.3, "enforce_eager": False}
-FALLBACKS = [{}, {"attention_backend": "TRITON_ATTN"}, {"attention_backend": "TRITON_ATTN", "enforce_eager": True}]
+FALLBACKS = [{}, {"enforce_eager": True}]          # fp32: vLLM picks TRITON_ATTN (FA3 has no fp32)
 
 
 def rounds(faults: bool):
@@ -185,7 +185,6 @@ def main() -> int:
     ap.add_argument("--methods", default="dflash,ngram")
     args = ap.parse_args()
     from k3_accel.demo.checkpoints import build_tiny
-    from report import emit
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     target, draft = build_tiny(work / "ckpt", with_draft=True, trained=True, k=K, log=lambda m: print(m, flush=True))
@@ -205,6 +204,7 @@ def main() -> int:
         engine, runs = cand, runs_by_name(result)
         baseline = runs["without"]
         doc["methods"]["dflash"] = summarize("dflash", runs["with"], baseline, result)
+        finish(doc, engine, args.out)           # written now too: ngram may run out of time
         break
     if engine is not None and "ngram" in args.methods:
         try:
@@ -212,17 +212,23 @@ def main() -> int:
             doc["methods"]["ngram"] = summarize("ngram", runs_by_name(result)["with"], baseline, result)
         except Exception as exc:
             doc["methods"]["ngram"] = {"error": str(exc)[-4000:]}
+    finish(doc, engine, args.out)
+    return 0 if doc["summary"]["identical_outputs"] else 1
+
+
+def finish(doc: dict, engine: dict | None, out: str | None) -> None:
+    from report import emit
     d = doc["methods"].get("dflash", {})
     n = doc["methods"].get("ngram", {})
     doc["summary"] = {
         "metric": "outputs identical with and without remote drafting (vLLM 0.33 V2 runner, greedy, tiny trained target)",
         "identical_outputs": bool(d.get("identical_outputs")) and n.get("identical_outputs", True) is True,
+        "methods_run": sorted(k for k, v in doc["methods"].items() if "error" not in v),
         "dflash_accepted_per_position": d.get("accepted_per_position"),
         "ngram_accepted_per_position": n.get("accepted_per_position"),
         "ratio": d.get("mean_acceptance_length"), "goal": "identical outputs, acceptance > 0",
         "engine": engine, "machine": _machine(), "date": datetime.date.today().isoformat()}
-    emit(doc, args.out)
-    return 0 if doc["summary"]["identical_outputs"] else 1
+    emit(doc, out)
 
 
 def _machine() -> str:

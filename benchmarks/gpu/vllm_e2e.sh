@@ -1,21 +1,23 @@
 #!/bin/bash
 # On the H200 (image: Python 3.12, torch 2.11 cu130, no package index), from the repository root:
-#   bash benchmarks/gpu/vllm_e2e.sh PIECE_DIR [install] [tiny] [p6]      (default: all three)
+#   bash benchmarks/gpu/vllm_e2e.sh PIECE_DIR [install] [gputest] [tiny] [p6]   (default: all)
 # PIECE_DIR is the last piece's folder (carried with this call); the earlier pieces were copied
 # to ~/stash by back-to-back calls (benchmarks/gpu/README.md). install: reassemble, check the
 # sha256, pip install --no-deps into /tmp/vsite, register k3-accel's vLLM entry point (vLLM finds
 # general plugins through installed distributions; the code itself runs from src/), and check
-# that vLLM and its stable-ABI libraries load. tiny: benchmarks/vllm_e2e_tiny.py. p6:
+# that vLLM and its stable-ABI libraries load. gputest: the oracle engine's GPU test. tiny: benchmarks/vllm_e2e_tiny.py. p6:
 # benchmarks/e2e_p6.py. Results and logs go to $OUT (default /tmp/vllm-e2e).
 set -x
 OUT=${OUT:-/tmp/vllm-e2e}
 SITE=/tmp/vsite
 mkdir -p "$OUT"
 piece=$1; shift
-phases=${*:-install tiny p6}
+phases=${*:-install gputest tiny p6}
 export PYTHONPATH=$SITE:$PWD/src:$PWD/benchmarks:$PWD/tests PYTHONUNBUFFERED=1 VLLM_USE_V2_MODEL_RUNNER=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VLLM_ALLOW_INSECURE_SERIALIZATION=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+# no FlashInfer on the image: the V2 sampler would import it (topk_topp_sampler.flashinfer_sampler_supported)
+export VLLM_USE_FLASHINFER_SAMPLER=0
 
 install() {
   mkdir -p ~/stash /tmp/vwhl && cp "$piece"/part_* ~/stash/
@@ -49,14 +51,17 @@ PY
 }
 
 rc=0
+deadline=$((SECONDS + ${TOTAL_S:-540}))    # p6 gets whatever is left of it
 for phase in $phases; do
   case $phase in
     install) install > "$OUT/install.log" 2>&1; echo "install rc=$?"; tail -30 "$OUT/install.log" ;;
-    tiny) timeout ${TINY_TIMEOUT:-560} python3 benchmarks/vllm_e2e_tiny.py --out "$OUT/vllm-e2e-h200.json" \
+    tiny) timeout ${TINY_TIMEOUT:-420} python3 benchmarks/vllm_e2e_tiny.py --methods ${TINY_METHODS:-dflash,ngram} --out "$OUT/vllm-e2e-h200.json" \
             > "$OUT/tiny.log" 2>&1; r=$?; echo "tiny rc=$r"; [ $r -ne 0 ] && rc=$r
           grep -E "attempt|Error|error" "$OUT/tiny.log" | tail -30
           python3 -c "import json,sys; d=json.load(open('$OUT/vllm-e2e-h200.json')); print(json.dumps(d['summary'])); [print(k, json.dumps({x: v.get(x) for x in ('identical_outputs','accepted_per_position','mean_acceptance_length','server_ops_after_engine_start','killed_round','syncs_total','syncs_with_plugin_frames','plugin_sync_sites','memory_by_round','rounds_differing','error')})) for k, v in d['methods'].items()]" ;;
-    p6) timeout ${P6_TIMEOUT:-560} python3 benchmarks/e2e_p6.py --out "$OUT/e2e-h200.json" > "$OUT/p6.log" 2>&1
+    gputest) timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_oracle_engine.py \
+            > "$OUT/gputest.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gputest.log" ;;
+    p6) timeout ${P6_TIMEOUT:-$((deadline - SECONDS))} python3 benchmarks/e2e_p6.py --plugin "${P6_PLUGIN:-{\}}" --out "$OUT/e2e-h200.json" > "$OUT/p6.log" 2>&1
         r=$?; echo "p6 rc=$r"; [ $r -ne 0 ] && rc=$r
         grep -E '^\{"(baseline|length)|Error|error' "$OUT/p6.log" | tail -40 ;;
   esac
