@@ -18,17 +18,14 @@ are noisy: runs alternate so drift hits both sides.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
-import os
-import platform
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]
 
+from cpu_runs import machine, parse  # noqa: E402
 from report import emit  # noqa: E402
 
 from k3_accel.demo.checkpoints import build_tiny  # noqa: E402
@@ -75,12 +72,7 @@ def _side(table: list[dict], name: str, key: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="k3-adaptive-"))
+    args, root = parse(__doc__, repeats=2, max_tokens=64, prefix="k3-adaptive-")
     useless = _measure(root / "untrained", False, args.repeats, args.max_tokens, fixed=False)
     distilled = _measure(root / "distilled", True, args.repeats, args.max_tokens, fixed=True)
     identical = all(t["outputs"] == tab[0]["outputs"] for tab in (useless, distilled) for t in tab)
@@ -95,7 +87,7 @@ def main() -> None:
                        "ratio": round(ratio, 4), "goal": 1.10, "identical_outputs": identical,
                        "distilled_steps_ratio": {k: round(v, 4) for k, v in steps.items()},
                        "distilled_goal": "adaptive <= fixed",
-                       "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), no GPU",
+                       "machine": machine(),
                        "date": datetime.date.today().isoformat()},
            "k": K, "untrained": useless, "distilled": distilled}
     emit(doc, args.out)

