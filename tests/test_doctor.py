@@ -131,3 +131,34 @@ def test_doctor_reads_the_aux_layers_and_the_draft_tp_as_the_plugin_does(tmp_pat
     assert draft_tp_note(spec_ns, 2) is None and draft_tp_note(spec_ns, 1) is None
     _, explicit = target_needs(str(target), {**spec, "draft_tensor_parallel_size": 1}, 8)
     assert draft_tp_note(explicit, 4) is None
+
+
+@pytest.fixture(scope="module")
+def dflash_out_of_order(tmp_path_factory, checkpoints):
+    """A real DFlash server whose draft config lists its target layers out of order ([2, 0])."""
+    target, _ = checkpoints
+    draft = write_tiny_dflash(tmp_path_factory.mktemp("doctor-dflash") / "draft", target, target_layer_ids=[2, 0])
+    srv = ServerProcess("--engine", "dflash", "--draft-model", str(draft), "--target-model", str(target),
+                        "--num-speculative-tokens", "4", "--lease-s", "600")
+    yield draft, srv
+    assert srv.stop() == 0
+
+
+def test_doctor_against_a_dflash_server_whose_draft_lists_its_layers_out_of_order(dflash_out_of_order, checkpoints):
+    """vLLM captures the layers ascending, the server advertises them ascending, and the doctor
+    compares them the same way: an out-of-order draft config is not refused; a target whose draft
+    captures other layers is, naming both lists."""
+    target, _ = checkpoints
+    draft, srv = dflash_out_of_order
+    w = Wire(srv.address)
+    assert w.caps.aux_layer_ids == [0, 2] and w.caps.engine == "dflash"
+    w.call(Bye())
+    w.close()
+    run = doctor(srv.address, target, {"method": "dflash", "model": str(draft), "num_speculative_tokens": 4},
+                 "--max-num-seqs", "8")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "aux layers [0, 2] x hidden" in run.stdout and "FAIL" not in run.stdout
+    other = write_tiny_dflash(draft.parent / "other", target, target_layer_ids=[1, 0])
+    run = doctor(srv.address, target, {"method": "dflash", "model": str(other), "num_speculative_tokens": 4})
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "aux layer ids: server [0, 2], target captures [0, 1]" in run.stdout

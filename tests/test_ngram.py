@@ -97,3 +97,30 @@ def test_large_token_ids_match_exactly(tokens, anchor, k, split):
     ingest(engine, state, split, tokens[split:])
     want = lookup([*tokens, anchor], k)
     assert propose(engine, [state], [anchor], k)[0].tolist() == want + [-1] * (k - len(want))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(tokens=st.lists(st.integers(0, 5), min_size=65, max_size=300), anchor=st.integers(0, 5),
+       chunk=st.sampled_from([65, 100, 300]), cut=st.integers(65, 300), k=st.integers(1, 6),
+       large=st.booleans())
+def test_long_histories_and_chunks_use_the_indexing_path_and_match_the_reference(tokens, anchor, chunk, cut, k,
+                                                                                  large):
+    """Chunks past 64 rows and rewinds of histories past 64 are indexed with numpy (``_index``),
+    not a row at a time: the same drafts as the reference, packed keys or (an id >= 2**21) tuples."""
+    if large:
+        tokens = [t if t else 1 << 21 for t in tokens]
+    engine = NgramEngine(block_size=16, budget_bytes=1 << 20)
+    state = engine.new_state()
+    for lo in range(0, len(tokens), chunk):
+        ingest(engine, state, lo, tokens[lo:lo + chunk])
+    want = lookup([*tokens, anchor], k)
+    assert propose(engine, [state], [anchor], k)[0].tolist() == want + [-1] * (k - len(want))
+    cut = min(cut, len(tokens))
+    tail = tokens[::-1][:70]
+    ingest(engine, state, cut, tail)               # a rewind past 64 rows, then 70 new rows at once
+    hist = [*tokens[:cut], *tail]
+    want = lookup([*hist, anchor], k)
+    assert propose(engine, [state], [anchor], k)[0].tolist() == want + [-1] * (k - len(want))
+    fork = engine.fork(state, len(hist) - 1)      # a fork rebuilds its index from its tokens
+    want = lookup([*hist[:-1], anchor], k)
+    assert propose(engine, [fork], [anchor], k)[0].tolist() == want + [-1] * (k - len(want))

@@ -72,6 +72,7 @@ HOSTILE = {
     "counts that overflow": ([head(2, 7, ["ingest", 3, 0]),
                               np.array([[0, 0, BIG], [1, 0, BIG], [2, 0, 2]], dtype=np.int64).data, b""],
                              "FRAME_MISMATCH"),
+    "negative count": ([head(2, 7, ["ingest", 2, 1]), meta([0, 1], [11, 5], [-1, 2]), ints([1])], "BAD_FIELD"),
     "negative start": ([head(2, 7, ["ingest", 1, 1]), meta([0], [-1], [1]), ints([1])], "BAD_FIELD"),
     "negative handle": ([head(2, 7, ["propose", 2, 1, 0]), meta([-1], [0], [0], [1]), ints([])], "BAD_FIELD"),
     "same handle twice": ([head(2, 7, ["ingest", 2, 2]), meta([0, 0], [0, 1], [1, 1]), ints([1, 2])],

@@ -7,9 +7,11 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.oracles import ngram_lookup
 from helpers.server import ServerProcess, src_env
+from helpers.steps import wait_until
 from helpers.wire import Wire, ints
 from k3_accel import protocol as p
 
@@ -35,6 +37,12 @@ def drafts(w: Wire, spans) -> list[list[int]]:
 
 def stats(w: Wire) -> dict:
     return w.call(p.Stats()).raise_for_error().result
+
+
+def session_labels(server: ServerProcess) -> set[str]:
+    """Every ``session`` label value on ``/metrics``."""
+    return {s.labels["session"] for fam in text_string_to_metric_families(server.metrics())
+            for s in fam.samples if "session" in s.labels}
 
 
 def consistent(s: dict) -> bool:
@@ -144,6 +152,7 @@ def test_lease_reclaims_a_killed_client_and_spares_one_that_keeps_talking():
         talker = Wire(server.address)
         _store(talker, B)
         assert name in stats(talker)["sessions"]
+        assert wait_until(lambda: name in session_labels(server))      # its series, while it lives
         child.kill()
         child.wait(60)
         deadline = time.monotonic() + 120
@@ -158,6 +167,7 @@ def test_lease_reclaims_a_killed_client_and_spares_one_that_keeps_talking():
         assert s["sessions"][s["session"]]["active"] == len(B)       # the talker kept everything
         assert _ask(talker, B, 4) == _expected(B, 4)
         assert 'k3_draft_sessions_reclaimed_total 1.0' in server.metrics()
+        assert wait_until(lambda: name not in session_labels(server))  # the label is given back
         fresh = Wire(server.address, session=key)                    # the key now opens an empty namespace
         assert [f[1] for f in fresh.propose(K, [(0, 5, [], 3)]).failures] == ["CONTEXT_GAP"]
         _store(fresh, A)

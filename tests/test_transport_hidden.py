@@ -200,3 +200,28 @@ def test_cuda_deferred_chunks_survive_the_target_overwriting_its_buffers(dflash,
     assert not {n: v for n, v in client.stats()["counters"].items() if n.startswith("failures.")}
     assert bool((got >= 0).all())
     assert_drafts_follow_reference(got[0], reference, hidden[:96], int(tokens[96]))
+
+
+def test_a_step_over_the_message_limit_is_split_with_its_hidden_rows(checkpoints, client_factory, reference):
+    """A DFlash step whose hidden rows (512 B a row in bf16) pass ``--max-message-mb 1`` goes out in
+    several messages, each request's rows with their own hidden rows, in order: the drafts are the
+    reference's over the whole context."""
+    target, draft = checkpoints
+    srv = ServerProcess("--engine", "dflash", "--draft-model", str(draft), "--target-model", str(target),
+                        "--max-message-mb", "1", "--memory-budget-mb", "16")
+    try:
+        client = make(client_factory, srv, max_rows=8192, timeout_ms=120_000)
+        tokens, hidden = context(3601, seed=11)
+        small_tokens, small_hidden = context(41, seed=12)
+        inp = StepInput(["long", "short"], [3600, 40], torch.cat([torch.arange(3600), torch.arange(40)]),
+                        torch.cat([tokens[:3600], small_tokens[:40]]), [True, True],
+                        [int(tokens[3600]), int(small_tokens[40])], [3600, 40], k=K,
+                        hidden=torch.cat([hidden[:3600], small_hidden[:40]]))
+        out = client.step(inp)
+        assert client.stats()["counters"]["split_messages"] >= 2
+        stats = client.server_stats()
+        assert stats["errors"] == {} and stats["ingested_rows"] == 3640
+        assert_drafts_follow_reference(out.drafts[0], reference, hidden[:3600], int(tokens[3600]))
+        assert_drafts_follow_reference(out.drafts[1], reference, small_hidden[:40], int(small_tokens[40]))
+    finally:
+        assert srv.stop() == 0

@@ -24,6 +24,24 @@ def test_from_config_maps_env_and_target_facts():
     assert s.max_rows == 2048 and s.context_width == 21504 and s.timeout_s == pytest.approx(1.234)
 
 
+@pytest.mark.parametrize("source", ["additional_config", "environment"])
+def test_from_config_maps_each_curve_setting_to_its_own_field(source, tmp_path):
+    """The server's public key and the client's certificate are two files: swapped, every
+    CURVE handshake fails; each setting must reach its own field, from either source."""
+    server_key, client_key = str(tmp_path / "server.key"), str(tmp_path / "client.key_secret")
+    if source == "environment":
+        cfg = load_config({}, {"VLLM_K3_DRAFT_REMOTE_ADDRESS": "tcp://h:1",
+                               "VLLM_K3_DRAFT_CURVE_SERVER_KEY": server_key,
+                               "VLLM_K3_DRAFT_CURVE_CLIENT_KEY": client_key})
+    else:
+        cfg = load_config({"k3_accel": {"draft_address": "tcp://h:1", "curve_server_key": server_key,
+                                        "curve_client_key": client_key}}, {})
+    s = ClientSettings.from_config(cfg)
+    assert (s.curve_server_key, s.curve_client_key) == (server_key, client_key)
+    plain = ClientSettings.from_config(load_config({"k3_accel": {"draft_address": "tcp://h:1"}}, {}))
+    assert plain.curve_server_key is None and plain.curve_client_key is None
+
+
 def test_from_config_without_address_is_a_settings_error():
     with pytest.raises(SettingsError, match="address"):
         ClientSettings.from_config(load_config(environ={}))

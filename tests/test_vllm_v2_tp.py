@@ -1,4 +1,5 @@
-"""TP=2 over gloo: only rank 0 talks to the draft server; both ranks verify the same drafts.
+"""TP=2 over gloo: only rank 0 talks to the draft server; both ranks verify the same drafts
+(rank 1 never reads a device tensor on the host to get them).
 
 Two spawned processes join a real gloo group; vLLM's own
 ``init_distributed_environment`` / ``initialize_model_parallel`` build the TP
@@ -26,6 +27,7 @@ def _rank(rank: int, world: int, config_bytes: bytes) -> tuple:
     import torch
     import vllm.v1.worker.gpu.spec_decode as spec_decode
 
+    from helpers.standin import DeviceSim
     from helpers.v2_sim import Sched, Sim, server_stats, vllm_world
     from k3_accel.vllm.spec_decode import hooks
 
@@ -34,7 +36,8 @@ def _rank(rank: int, world: int, config_bytes: bytes) -> tuple:
     # rank 1 gets garbage rows: it never ships them, its drafts come from rank 0's broadcast
     a, b, p = (A, B, P) if rank == 0 else ([0] * len(A), [0] * len(B), [0] * len(P))
     with vllm_world(config, tp=world, rank=rank) as group:
-        sim = Sim()
+        # the non-driver rank sees device stand-ins only: receiving drafts must not read any on the host
+        sim = Sim() if rank == 0 else DeviceSim()
         spec = spec_decode.init_speculator(config, torch.device("cpu"), sim.req_states)
         connected = spec.core.session.client is not None
         sim.add("a", a)
@@ -70,3 +73,47 @@ def test_tp2_ranks_get_identical_drafts_and_only_rank0_connects(vllm_config, ngr
     stats = r0[4]
     assert stats["ops"]["hello"] == 1                       # one client: rank 0's
     assert stats["errors"] == {} and stats["ingested_rows"] == len(A) + len(B) + len(P) + 3 + 1
+
+
+def _rank_launch_fails(rank: int, world: int, config_bytes: bytes) -> tuple:
+    import torch
+    import vllm.v1.worker.gpu.spec_decode as spec_decode
+
+    from helpers.v2_sim import Sched, Sim, vllm_world
+    from k3_accel.vllm.spec_decode import hooks, v2
+
+    config = pickle.loads(config_bytes)
+    hooks.install_v2()
+    real, calls = v2.launch, []
+
+    def launch(*args, **kw):                 # rank 0's first launch fails (rank 1 never launches)
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("planted: the step's context could not be launched")
+        return real(*args, **kw)
+    v2.launch = launch
+    a, b = (A, B) if rank == 0 else ([0] * len(A), [0] * len(B))
+    with vllm_world(config, tp=world, rank=rank) as group:
+        # the non-driver rank sees device stand-ins only: receiving drafts must not read any on the host
+        sim = Sim() if rank == 0 else DeviceSim()
+        spec = spec_decode.init_speculator(config, torch.device("cpu"), sim.req_states)
+        sim.add("a", a)
+        sim.add("b", b)
+        out = [sim.propose(spec, [Sched("a", 0, a, sampled=7)]).tolist(),
+               sim.propose(spec, [Sched("b", 0, b, sampled=4)]).tolist()]
+        failures = spec.stats()["adapter"].get("failures.step_input", 0)
+        spec.close()
+    return out, len(calls), failures
+
+
+def test_tp2_every_rank_reaches_the_broadcast_when_rank0_cannot_launch(vllm_config, ngram_server):
+    """Rank 0's launch fails in one step: it still broadcasts (no drafts), so rank 1 does not
+    hang in the collective; both ranks verify the same (no) drafts, and the next step drafts."""
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_DISABLE_PYNCCL": "1",
+           "VLLM_K3_DRAFT_REMOTE_ADDRESS": ngram_server.address, "VLLM_K3_DRAFT_ADAPTIVE": "off"}
+    r0, r1 = run_ranks(_rank_launch_fails, 2, pickle.dumps(vllm_config), env=env, timeout=300)
+    assert r0[0] == r1[0]                                   # the same drafts on both ranks, both steps
+    failed, after = r0[0]
+    assert failed != [expected_v2(A, 7)] and r0[1] == 2 and r1[1] == 0
+    assert after == [expected_v2(B, 4)]                     # the next step drafts
+    assert (r0[2], r1[2]) == (1, 0)
