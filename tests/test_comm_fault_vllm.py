@@ -155,6 +155,7 @@ def _sleep(rank, world):
     # release on suspend, rebuild on resume
     comm, raised, _ = _make(rank, world, lines.lines)
     ring = comm.k3_router.dma.runtime
+    min_bytes = [comm.k3_router.dma_min_bytes]
     workspace = comm.k3_decision.workspace_bytes
     base = LoopbackDmaRuntime.held_bytes - workspace   # earlier cases in this process may have leaked
     held = [LoopbackDmaRuntime.held_bytes - base]
@@ -164,11 +165,14 @@ def _sleep(rank, world):
     seconds.append(timed(comm.resume))
     held.append(LoopbackDmaRuntime.held_bytes - base)
     new_ring = comm.k3_router.dma.runtime
+    min_bytes.append(comm.k3_router.dma_min_bytes)             # the threshold survives the rebuild:
+    below, above = torch.empty(min_bytes[0] // 4 - 1), torch.empty(min_bytes[0] // 4)   # fp32, either side
+    choices = [comm.k3_router.choose(below), comm.k3_router.choose(above)]
     calls = new_ring.calls
     ok = _sum(comm, rank, world)
     out["cycle"] = dict(raised=raised, workspace=workspace, held=held, seconds=seconds, old_closed=ring.closed,
                         new_ring=new_ring is not ring, suspended_router=suspended_router, sum_ok=ok,
-                        ring_calls=new_ring.calls - calls)
+                        ring_calls=new_ring.calls - calls, min_bytes=min_bytes, choices=choices)
     comm.destroy()
     out["cycle"]["held_after_destroy"] = LoopbackDmaRuntime.held_bytes - base
 
@@ -204,6 +208,7 @@ def test_comm_fault_sleep_mode_releases_and_restores_the_ring(engine):
         assert c["held"] == [c["workspace"], 0, c["workspace"]]          # released, then restored
         assert c["old_closed"] and c["new_ring"] and c["suspended_router"]
         assert c["sum_ok"] and c["ring_calls"] == 1                     # the new ring carries it
+        assert c["min_bytes"] == [256 * 1024] * 2 and c["choices"] == ["next", "dma"]   # at the same threshold
         assert c["held_after_destroy"] == 0
         assert all(s < BOUND_S for s in c["seconds"])
         k = r["captured"]

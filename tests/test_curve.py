@@ -118,3 +118,25 @@ def test_bind_rules():
         check_bind("10.1.2.3", curve=False, allow_insecure=False)
     check_bind("10.1.2.3", curve=True, allow_insecure=False)
     check_bind("10.1.2.3", curve=False, allow_insecure=True)   # explicit opt-out: allowed, logged
+
+
+def test_a_name_that_resolves_to_loopback_and_a_routable_address_is_not_loopback(monkeypatch):
+    """Binding such a name listens on the routable address too: it needs CURVE (or the opt-out)."""
+    import socket
+
+    real = socket.getaddrinfo
+    answers = {"both.k3.test": ["127.0.0.1", "10.1.2.3"], "both6.k3.test": ["::1", "2001:db8::7"],
+               "lo.k3.test": ["127.0.0.1", "::1"]}
+
+    def getaddrinfo(host, *args, **kw):
+        if host in answers:
+            return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0))
+                    for a in answers[host]]
+        return real(host, *args, **kw)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    assert is_loopback("lo.k3.test")
+    for host in ("both.k3.test", "both6.k3.test"):
+        assert not is_loopback(host)
+        with pytest.raises(SecurityError, match="not a loopback address"):
+            check_bind(host, curve=False, allow_insecure=False)
+        check_bind(host, curve=True, allow_insecure=False)
