@@ -18,7 +18,7 @@ log = logging.getLogger("k3_accel.vllm")
 REMOTE_METHODS = ("dflash", "dspark", "ngram")
 HIDDEN_METHODS = ("dflash", "dspark")
 # DFlash-method draft architectures that are not plain DFlash (vLLM drafts them with other code)
-_OTHER_DFLASH_ARCHS = ("DFlash2DraftModel", "DFlash2BeamDraftModel", "LiLiCorrDraftModel")
+_OTHER_DFLASH_ARCHS = ("DFlash2DraftModel", "DFlash2BeamDraftModel", "LiLiCorrDraftModel", "DFlashLagunaForCausalLM")
 
 
 def unserved_reason(spec: Any) -> str | None:
