@@ -138,3 +138,23 @@ def test_an_idle_client_keeps_its_session_alive_with_heartbeats(client_factory, 
         assert client.stats()["counters"]["heartbeats"] >= 1
     finally:
         srv.stop()
+
+
+def test_an_idle_client_heartbeats_within_the_lease_the_server_advertises(client_factory):
+    """The default heartbeat (2 s) against a server whose lease is shorter (2 s): the client
+    beats within the advertised lease, so idling for several leases loses nothing."""
+    from helpers.server import ServerProcess
+    srv = ServerProcess("--engine", "ngram", "--lease-s", "2")
+    try:
+        client = client_factory(srv.address)
+        assert client.settings.heartbeat_ms == 2000 and client.caps.lease_s == 2
+        client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
+        deadline = time.monotonic() + 8.0                                   # 4 leases, idle
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+        stats = client.server_stats()
+        assert stats["sessions_reclaimed"] == 0 and stats["active"] == 1
+        out = client.step(rows(["a"], [(3, [2])], anchors=[1]))              # its context is still there
+        assert out.drafts[0, :2].tolist() == [2, 1] and not client.is_disabled("a")
+    finally:
+        srv.stop()

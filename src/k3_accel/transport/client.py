@@ -371,6 +371,11 @@ class DraftClient:
 
     # ============================================================ callbacks
     def _on_ready(self, caps: p.Caps) -> None:
+        # an idle link sends a ping within 1.5 heartbeats (the sender checks every half): keep that
+        # well inside the lease the server advertises (a heartbeat of 2 s against a 3 s lease
+        # let the server reclaim an idle, live client on a loaded machine)
+        beat = self.settings.heartbeat_ms / 1000
+        self.sender.heartbeat_s = min(beat, caps.lease_s / 4) if caps.lease_s > 0 else beat
         self.book.limit = caps.max_requests
         self.book.apply()
         self.book.rearm()
