@@ -38,17 +38,9 @@ from rpc import env, free_port  # noqa: E402
 def start_server(engine: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     if engine == "ngram":
-        http = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "k3_accel.server.cli", "--engine", "ngram", "--port",
-                                 str(port), "--http-port", str(http), "--log-level", "WARNING"], env=env())
-        import urllib.request
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/readyz", timeout=1):
-                    return proc, f"tcp://127.0.0.1:{port}"
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("server not ready")
+        from k3_accel.demo.server import DraftServer
+        server = DraftServer(["--engine", "ngram", "--log-level", "WARNING"], env=env()).start(timeout=30)
+        return server.proc, server.address
     proc = subprocess.Popen([sys.executable, str(HERE / "draft_rpc.py"), "--serve", str(port)], env=env(),
                             stdout=subprocess.PIPE, text=True)
     if not proc.stdout.readline().startswith("ready"):

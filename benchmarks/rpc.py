@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 
 from k3_accel import protocol as p  # noqa: E402
 from report import emit  # noqa: E402  (benchmarks/report.py)
+from k3_accel.demo.server import DraftServer  # noqa: E402  (the project's one draft-server launcher)
 from k3_accel.transport.api import ClientSettings, StepInput  # noqa: E402
 from k3_accel.transport.client import DraftClient  # noqa: E402
 
@@ -60,22 +61,12 @@ def ipc_path() -> str:
 
 
 def start_draft_server(transport: str) -> tuple[subprocess.Popen, str, int]:
-    port, http = free_port(), free_port()
-    extra, address = [], f"tcp://127.0.0.1:{port}"
+    extra, address = [], None
     if transport == "ipc":
         address = ipc_path()
         extra = ["--ipc-path", address[len("ipc://"):]]
-    proc = subprocess.Popen([sys.executable, "-m", "k3_accel.server.cli", "--engine", "ngram", "--host",
-                             "127.0.0.1", "--port", str(port), "--http-port", str(http),
-                             "--log-level", "WARNING", *extra], env=env())
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/readyz", timeout=1) as r:
-                if r.status == 200:
-                    return proc, address, http
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("draft server not ready")
+    server = DraftServer(["--engine", "ngram", "--log-level", "WARNING", *extra], env=env()).start(timeout=30)
+    return server.proc, address or server.address, server.http_port
 
 
 def echo(address: str, sizes: list[int]) -> None:

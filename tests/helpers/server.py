@@ -1,19 +1,18 @@
-"""``k3-draft-server`` as a child process on free loopback ports (the one launcher of the suite)."""
+"""``k3-draft-server`` as a child process on free loopback ports, through the project's one launcher."""
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from k3_accel.demo.server import DraftServer
+
 from .ports import free_port
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-BIND_ATTEMPTS = 3
 
 
 def src_env(**extra: str) -> dict[str, str]:
@@ -29,56 +28,23 @@ def http_get(port: int, path: str, timeout: float = 5) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-class ServerProcess:
-    """``python -m k3_accel.server.cli ARGS`` on free loopback ports; waits for ``/readyz``."""
+class ServerProcess(DraftServer):
+    """The draft server launcher (:class:`k3_accel.demo.server.DraftServer`) with this checkout's
+    ``k3_accel``, quiet unless asked, started at once (``ready``: waiting for ``/readyz``), plus
+    what tests inspect: metrics, bytes queued on its port, pausing every thread."""
 
     def __init__(self, *args: str, port: int | None = None, ready: bool = True, quiet: bool = True,
                  capture: bool = False):
-        self.args = args
-        self.port, self.http_port = port or free_port(), free_port()
-        self.capture = capture
-        self.proc: subprocess.Popen | None = None
-        self.quiet = quiet
-        for attempt in range(BIND_ATTEMPTS):
-            try:
-                self.start(ready)
-                return
-            except RuntimeError:
-                # a port free when picked can be taken by another process before the server binds
-                # it (the suite starts many servers): new ports, unless the caller chose one
-                if port is not None or attempt == BIND_ATTEMPTS - 1:
-                    raise
-                self.port, self.http_port = free_port(), free_port()
-
-    @property
-    def address(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
+        if quiet and "--log-level" not in args:
+            args = (*args, "--log-level", "WARNING")
+        super().__init__(args, port=port, env=src_env(), capture=capture)
+        self.start(ready)
 
     def start(self, ready: bool = True) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "k3_accel.server.cli", "--port", str(self.port),
-               "--http-port", str(self.http_port), *self.args]
-        if self.quiet and "--log-level" not in self.args:
-            cmd += ["--log-level", "WARNING"]
-        out = subprocess.PIPE if self.capture else None
-        self.proc = subprocess.Popen(cmd, env=src_env(), stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     text=True)
-        if ready:
-            self.wait_ready()
-        return self
+        return super().start() if ready else self.launch()
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                output = self.proc.stdout.read() if self.capture else ""
-                raise RuntimeError(f"server exited {self.proc.returncode}: {output}")
-            try:
-                if http_get(self.http_port, "/readyz", timeout=1)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError("draft server did not become ready")
+        self._wait_ready(timeout)
 
     def metrics(self) -> str:
         return http_get(self.http_port, "/metrics")[1]
@@ -129,26 +95,14 @@ class ServerProcess:
         return bool(states) and all(s in "tT" for s in states)
 
     def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
+        self.signal(signal.SIGCONT)
 
     def restart(self) -> "ServerProcess":
-        """Kill and start again on the same ports (a new server_id)."""
+        """Kill and start again on the same ZMQ port (a new server_id)."""
         self.kill()
         self.http_port = free_port()
         return self.start()
 
     def stop(self) -> int:
         """SIGTERM (after SIGCONT, in case it is paused); its exit status."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.terminate()
-        try:
-            return self.proc.wait(30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
+        return self.close(timeout=30)

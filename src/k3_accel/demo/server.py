@@ -1,4 +1,5 @@
-"""A ``k3-draft-server`` child process on loopback ports, for the demo and the e2e tests.
+"""A ``k3-draft-server`` child process on loopback ports: the one launcher of the demo, the tests
+and the benchmarks.
 
 The handle can signal the process (kill, stop, continue) and restart it on
 the same ports, so a target keeps its configured address across a restart.
@@ -15,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 
 class ServerStartError(RuntimeError):
@@ -42,14 +43,22 @@ def http_status(url: str, timeout: float = 2.0) -> int:
         return e.code
 
 
-class DraftServer:
-    """``python -m k3_accel.server.cli ARGS`` with fixed loopback ports."""
+BIND_ATTEMPTS = 3
 
-    def __init__(self, args: Sequence[str], log_path: str | Path, port: int | None = None,
-                 http_port: int | None = None):
+
+class DraftServer:
+    """``python -m k3_accel.server.cli ARGS`` on loopback ports (picked free unless given): the one
+    launcher of the demo, the tests and the benchmarks. Its output goes to ``log_path`` (appended),
+    to a pipe (``capture``) or to this process's own; ``env`` replaces the environment."""
+
+    def __init__(self, args: Sequence[str], log_path: str | Path | None = None, port: int | None = None,
+                 http_port: int | None = None, *, env: Mapping[str, str] | None = None, capture: bool = False):
         self.args = list(args)
+        self._picked = port is None and http_port is None
         self.port, self.http_port = port or free_port(), http_port or free_port()
-        self.log_path = Path(log_path)
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.env = dict(env) if env is not None else None
+        self.capture = capture
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -65,18 +74,35 @@ class DraftServer:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def start(self, timeout: float = 120) -> "DraftServer":
+    def launch(self) -> "DraftServer":
+        """Start the process without waiting for it to be ready."""
         cmd = [sys.executable, "-m", "k3_accel.server.cli", "--host", "127.0.0.1", "--port", str(self.port),
                "--http-port", str(self.http_port), *self.args]
-        log = open(self.log_path, "ab")
+        log = open(self.log_path, "ab") if self.log_path is not None else None
+        out = log if log is not None else (subprocess.PIPE if self.capture else None)
         try:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                         stdin=subprocess.DEVNULL, env=self.env, text=self.capture,
                                          preexec_fn=_die_with_parent if os.name == "posix" else None)
         finally:
-            log.close()
+            if log is not None:
+                log.close()
         self.starts += 1
-        self._wait_ready(timeout)
         return self
+
+    def start(self, timeout: float = 120) -> "DraftServer":
+        """Launch and wait for ``/readyz``. Ports this handle picked are picked again when the server
+        exits before it is ready (another process may take a free port before the server binds it)."""
+        for attempt in range(BIND_ATTEMPTS):
+            self.launch()
+            try:
+                self._wait_ready(timeout)
+                return self
+            except ServerStartError:
+                if not self._picked or attempt == BIND_ATTEMPTS - 1 or self.proc.poll() is None:
+                    raise
+                self.port, self.http_port = free_port(), free_port()
+        raise AssertionError("unreachable")
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -89,15 +115,22 @@ class DraftServer:
                     return
             except OSError:
                 pass
-            time.sleep(0.1)
+            time.sleep(0.05)
         self.close()
         raise ServerStartError(f"draft server not ready after {timeout:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
+        """The end of its output: the log file, or the pipe once the process has exited."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
+            if self.log_path is not None:
+                text = self.log_path.read_text(errors="replace")
+            elif self.capture and self.proc is not None and self.proc.poll() is not None:
+                text = self.proc.stdout.read()
+            else:
+                return ""
+        except (OSError, ValueError):
             return ""
+        return "\n".join(text.splitlines()[-lines:])
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
