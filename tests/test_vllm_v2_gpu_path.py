@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers.server import ServerProcess
-from helpers.standin import HostRead, dev, no_host_sync
+from helpers.standin import DeviceSim, HostRead, dev, no_host_sync, own_buffers_as_device
 from helpers.v2_sim import K, MAX_TOKENS, Sched, Sim, client_stats, expected_v2, server_stats
 
 pytestmark = pytest.mark.vllm
@@ -51,37 +51,6 @@ def speculator(vllm_config, tp_group, ngram_server, sim, monkeypatch):
     spec.close()
 
 
-class DeviceSim(Sim):
-    """Every tensor the runner hands ``propose`` is a device stand-in (host reads raise)."""
-
-    def batch(self, sched, aux=True):
-        import dataclasses
-        ib, aux_states, num_sampled, num_rejected = super().batch(sched, aux)
-        ib = dataclasses.replace(ib, idx_mapping=dev(ib.idx_mapping), query_start_loc=dev(ib.query_start_loc),
-                                 input_ids=dev(ib.input_ids), positions=dev(ib.positions))
-        self.last_batch = ib
-        return ib, [dev(a) for a in aux_states or []] or None, dev(num_sampled), dev(num_rejected)
-
-    def propose(self, speculator, sched, k=None, aux=True, **kw):
-        rs = self.req_states
-        saved = rs.last_sampled_tokens, rs.next_prefill_tokens, rs.all_token_ids.gpu
-        rs.last_sampled_tokens, rs.next_prefill_tokens = dev(saved[0]), dev(saved[1])
-        rs.all_token_ids.gpu = dev(saved[2])
-        try:
-            with no_host_sync():
-                out = super().propose(speculator, sched, k, aux, **kw)
-        finally:
-            rs.last_sampled_tokens, rs.next_prefill_tokens, rs.all_token_ids.gpu = saved
-        return out.as_subclass(torch.Tensor)
-
-
-def _own_buffers_as_device(spec) -> None:
-    spec.drafts, spec._confidence = dev(spec.drafts), dev(spec._confidence)
-    if spec.rows is not None:
-        for name in ("token_ids", "hidden", "meta", "rows"):
-            setattr(spec.rows, name, dev(getattr(spec.rows, name)))
-
-
 # ------------------------------------------------------------------ no host sync
 def test_the_stand_in_catches_host_reads():
     t = dev(torch.arange(4))
@@ -96,7 +65,7 @@ def test_v2_step_never_syncs(vllm_config, tp_group, ngram_server, monkeypatch):
     spec = _speculator(vllm_config, sim, ngram_server.address, monkeypatch,
                        VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS="20000")
     try:
-        _own_buffers_as_device(spec)
+        own_buffers_as_device(spec)
         a = [7, 8, 9, 10, 11] * 3 + [1, 2, 3]
         p = [5, 6, 7, 8] * 10
         h = [3, 1, 4, 1, 5, 9, 2, 6]

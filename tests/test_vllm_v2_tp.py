@@ -27,7 +27,7 @@ def _rank(rank: int, world: int, config_bytes: bytes) -> tuple:
     import torch
     import vllm.v1.worker.gpu.spec_decode as spec_decode
 
-    from helpers.standin import DeviceSim
+    from helpers.standin import DeviceSim, own_buffers_as_device
     from helpers.v2_sim import Sched, Sim, server_stats, vllm_world
     from k3_accel.vllm.spec_decode import hooks
 
@@ -39,6 +39,8 @@ def _rank(rank: int, world: int, config_bytes: bytes) -> tuple:
         # the non-driver rank sees device stand-ins only: receiving drafts must not read any on the host
         sim = Sim() if rank == 0 else DeviceSim()
         spec = spec_decode.init_speculator(config, torch.device("cpu"), sim.req_states)
+        if rank:
+            own_buffers_as_device(spec)
         connected = spec.core.session.client is not None
         sim.add("a", a)
         sim.add("b", b)
@@ -94,8 +96,7 @@ def _rank_launch_fails(rank: int, world: int, config_bytes: bytes) -> tuple:
     v2.launch = launch
     a, b = (A, B) if rank == 0 else ([0] * len(A), [0] * len(B))
     with vllm_world(config, tp=world, rank=rank) as group:
-        # the non-driver rank sees device stand-ins only: receiving drafts must not read any on the host
-        sim = Sim() if rank == 0 else DeviceSim()
+        sim = Sim()
         spec = spec_decode.init_speculator(config, torch.device("cpu"), sim.req_states)
         sim.add("a", a)
         sim.add("b", b)

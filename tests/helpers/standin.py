@@ -76,3 +76,46 @@ def no_host_sync():
         _watched.discard(me)
         for obj, name, value in saved:
             setattr(obj, name, value)
+
+
+def own_buffers_as_device(spec) -> None:
+    """The V2 speculator's own device buffers as stand-ins too (a CPU "device" makes plain ones)."""
+    spec.drafts, spec._confidence = dev(spec.drafts), dev(spec._confidence)
+    if spec.rows is not None:
+        for name in ("token_ids", "hidden", "meta", "rows"):
+            setattr(spec.rows, name, dev(getattr(spec.rows, name)))
+
+
+def _device_sim():
+    from .v2_sim import Sim
+
+    class DeviceSim(Sim):
+        """Every tensor the runner hands ``propose`` is a device stand-in (host reads raise)."""
+
+        def batch(self, sched, aux=True):
+            import dataclasses
+            ib, aux_states, num_sampled, num_rejected = super().batch(sched, aux)
+            ib = dataclasses.replace(ib, idx_mapping=dev(ib.idx_mapping), query_start_loc=dev(ib.query_start_loc),
+                                     input_ids=dev(ib.input_ids), positions=dev(ib.positions))
+            self.last_batch = ib
+            return ib, [dev(a) for a in aux_states or []] or None, dev(num_sampled), dev(num_rejected)
+
+        def propose(self, speculator, sched, k=None, aux=True, **kw):
+            rs = self.req_states
+            saved = rs.last_sampled_tokens, rs.next_prefill_tokens, rs.all_token_ids.gpu
+            rs.last_sampled_tokens, rs.next_prefill_tokens = dev(saved[0]), dev(saved[1])
+            rs.all_token_ids.gpu = dev(saved[2])
+            try:
+                with no_host_sync():
+                    out = super().propose(speculator, sched, k, aux, **kw)
+            finally:
+                rs.last_sampled_tokens, rs.next_prefill_tokens, rs.all_token_ids.gpu = saved
+            return out.as_subclass(torch.Tensor)
+
+    return DeviceSim
+
+
+def DeviceSim(*args, **kwargs):   # noqa: N802 - a class factory (v2_sim needs vLLM)
+    """A ``helpers.v2_sim.Sim`` whose ``propose`` hands the speculator device stand-ins only and
+    runs inside :func:`no_host_sync`."""
+    return _device_sim()(*args, **kwargs)
