@@ -94,6 +94,20 @@ def test_a_reconnect_never_evicts_the_context_it_copies_from():
     svc.check_pool()
 
 
+def test_a_reconnect_never_reuses_another_sessions_context():
+    svc = LocalService(blocks=16, block_size=4, max_retained=4)
+    a, b = svc.session(A), svc.session(B)
+    hist = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert codes(svc.ingest(b, [(0, 0, hist), (1, 0, hist[:6])])) == {}
+    assert svc.call(b, p.Free([0], True)).ok                                      # b: one retained, one active
+    reply = svc.reconnect(a, 0, hist)              # the same tokens in another session: rebuilt, not forked
+    assert reply.ok and reply.result == {"restored": 0}
+    snap = svc.snapshot()
+    mine = set(snap[(A, 0, "active")][1])
+    assert mine and not mine & (set(snap[(B, 0, "retained")][1]) | set(snap[(B, 1, "active")][1]))
+    svc.check_pool()
+
+
 def _shared_partial(pool: BlockPool) -> tuple[BlockTable, BlockTable]:
     """A table of 8 rows (2 full blocks) and a fork of it; the pool full."""
     a = BlockTable(owner=1)
