@@ -390,3 +390,25 @@ def test_requests_beyond_the_servers_limit_are_not_drafted_and_not_errors(client
         assert client.server_stats()["errors"] == {}
     finally:
         srv.stop()
+
+
+def test_optional_rows_are_dropped_instead_of_waiting_for_a_busy_slot(server, client_factory):
+    """A step nobody drafts in (the controller stepped aside) never waits for the server: when the
+    staging slot is still held, its rows are dropped and their requests draft no more."""
+    import dataclasses
+    client = client_factory(server.address, ring_depth=1)
+    assert client.step(rows(["a"], [(0, [1, 2, 3])], sampled=[False])).deferred
+    server.pause()                                            # the slot stays held: no reply
+    try:
+        client.sender.wait_idle(10)
+        assert client.ring.next_busy()
+        opt = dataclasses.replace(rows(["b"], [(0, [4, 5, 6])], sampled=[False]), optional=True)
+        started = time.monotonic()
+        client.step(opt)
+        assert time.monotonic() - started < client.settings.timeout_s      # it did not wait for the slot
+    finally:
+        server.resume()
+    assert client.stats()["counters"]["dropped_ingests"] == 1 and client.is_disabled("b")
+    assert not client.is_disabled("a")
+    client.flush()
+    assert client.server_stats()["ingested_rows"] == 3                   # only a's rows reached the server

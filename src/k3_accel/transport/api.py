@@ -111,6 +111,8 @@ class StepInput:
     ``prompt_token_ids``: for requests seen for the first time, their prompt
     (lets a prefix-cache hit reconnect to a retained request).
     ``num_accepted``: drafts the target accepted per request last step, if known.
+    ``optional``: the rows may be dropped (their requests then draft no more) rather than
+    make the step wait for a staging slot the server has not released yet.
     """
     req_ids: Sequence[str]
     counts: Sequence[int]
@@ -123,6 +125,7 @@ class StepInput:
     hidden: torch.Tensor | None = None
     prompt_token_ids: Mapping[str, IntSeq] | None = None
     num_accepted: Sequence[int] | None = None
+    optional: bool = False          # nobody drafts: drop the rows rather than wait for a busy staging slot
 
     @property
     def num_requests(self) -> int:

@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from k3_accel import protocol as p
-from k3_accel.protocol import Reply
 from k3_accel.transport import layout
 from k3_accel.transport.api import ClientSettings, StepInput, StepOutput
 from k3_accel.transport.book import Record, RequestBook
@@ -40,6 +39,7 @@ from k3_accel.transport.connection import Pending, ReplyLate
 from k3_accel.transport.failures import FailureKind, RingTimeout, StepInputError, TransportError
 from k3_accel.transport.link import Link, State
 from k3_accel.transport.outbox import Outbox
+from k3_accel.transport.replies import ReplyReader
 from k3_accel.transport.sender import Sender
 from k3_accel.transport.staging import Slot, StagingRing
 from k3_accel.transport.timing import Telemetry
@@ -64,7 +64,8 @@ class DraftClient:
         self.outbox = Outbox(settings, self.link, self.ring, self.book, self.sender, self.telemetry)
         self._capture = (CaptureWriter(settings.capture_dir, self._on_capture_error)
                          if settings.capture_dir else None)
-        self._logged_vocab = False
+        self.replies = ReplyReader(settings.address, settings.target_vocab_size, self.book.failures,
+                                   self.telemetry)
 
     # ================================================================ lifecycle
     @property
@@ -180,6 +181,11 @@ class DraftClient:
         anchor_tokens, anchor_positions = self._anchors(inp)
         plan = self._prepare(inp, recs, layout.plan_rows(counts, anchor_positions, ingest, propose))
         deferred = plan.propose.size == 0 and self.settings.ring_depth > 0
+        if deferred and inp.optional and self.ring.next_busy():
+            ids = [inp.req_ids[i] for i in plan.order.tolist() if counts[i] > 0]
+            self.book.failures.push(FailureKind.DROPPED, ids, "nobody drafts and the server is behind")
+            self.telemetry.count("dropped_ingests")
+            return live
         t0 = time.perf_counter()
         if not deferred and not self.sender.wait_idle(self.settings.timeout_s):
             raise TransportError("deferred ingests not sent within the timeout")
@@ -292,42 +298,7 @@ class DraftClient:
         if isinstance(reply.result, list) and len(reply.result) == 2:
             self.telemetry.add("server.store", reply.result[0])
             self.telemetry.add("server.engine", reply.result[1])
-        self._fill(inp, out, plan.propose, reply)
-
-    def _fill(self, inp: StepInput, out: StepOutput, rows: np.ndarray, reply: Reply) -> None:
-        drafts = reply.tensors.get("drafts") if reply.ok else None
-        if drafts is None:
-            return
-        if tuple(drafts.shape) != (len(rows), inp.k):
-            self.book.failures.push(FailureKind.MESSAGE, [inp.req_ids[i] for i in rows.tolist()],
-                                    f"drafts shape {list(drafts.shape)} != [{len(rows)}, {inp.k}]")
-            return
-        d = drafts.numpy()
-        vocab = self.settings.target_vocab_size
-        bad = ((d < -1) | (d >= vocab)).any(axis=1) if vocab else (d < -1).any(axis=1)
-        if bad.any():
-            d = d.copy()
-            d[bad] = -1
-            self._out_of_vocab(int(bad.sum()))
-        out.drafts.numpy()[rows] = d
-        if len(reply.tensors) > 1:
-            index = torch.from_numpy(rows)
-            for name, t in reply.tensors.items():
-                if name != "drafts":
-                    full = torch.zeros((inp.num_requests, *t.shape[1:]), dtype=t.dtype)
-                    full[index] = t
-                    if name == "logits":
-                        out.logits = full
-                    else:
-                        out.extra[name] = full
-
-    def _out_of_vocab(self, n: int) -> None:
-        self.telemetry.count("out_of_vocab_drafts", n)
-        if not self._logged_vocab:
-            self._logged_vocab = True
-            log.error("k3 draft server %s sent draft ids outside the target's vocabulary (0..%d); those "
-                      "requests get no drafts (counted as out_of_vocab_drafts)", self.settings.address,
-                      self.settings.target_vocab_size - 1)
+        self.replies.fill(inp, out, plan.propose, reply)
 
     def _mask(self, inp: StepInput, drafts: np.ndarray) -> None:
         """-1 for every request that is disabled (or unknown) now."""

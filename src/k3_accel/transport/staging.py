@@ -100,6 +100,10 @@ class StagingRing:
         with self._cond:
             return slot.holds > 0
 
+    def next_busy(self) -> bool:
+        """Whether the slot the next step would take still has holds (acquiring it would wait)."""
+        return self.busy(self.slots[self._next])
+
     def hold(self, slot: Slot, n: int = 1) -> None:
         with self._cond:
             slot.holds += n
