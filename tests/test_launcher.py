@@ -33,3 +33,23 @@ def test_a_picked_port_taken_before_the_server_binds_is_picked_again(monkeypatch
         chosen.start(timeout=120)
     assert chosen.starts == 1 and chosen.port == busy
     taken.close()
+
+
+def test_a_restart_keeps_its_ports(tmp_path):
+    """A target keeps its configured address across a restart: a port held by someone else
+    then is an error, not a move to other ports."""
+    server = launcher.DraftServer(["--engine", "ngram"], tmp_path / "log", env=src_env()).start(timeout=120)
+    port = server.port
+    server.kill()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", port))
+    taken.listen()
+    try:
+        with pytest.raises(launcher.ServerStartError):
+            server.start(timeout=120)
+        assert server.port == port and server.starts == 2
+    finally:
+        taken.close()
+        server.close()
+    assert server.restart(timeout=120).port == port
+    assert server.close() == 0

@@ -91,15 +91,17 @@ class DraftServer:
         return self
 
     def start(self, timeout: float = 120) -> "DraftServer":
-        """Launch and wait for ``/readyz``. Ports this handle picked are picked again when the server
-        exits before it is ready (another process may take a free port before the server binds it)."""
+        """Launch and wait for ``/readyz``. On the first start, ports this handle picked are picked
+        again when the server exits before it is ready (another process may take a free port before
+        the server binds it); a restart keeps its ports (a target keeps its configured address)."""
+        repick = self._picked and self.starts == 0
         for attempt in range(BIND_ATTEMPTS):
             self.launch()
             try:
                 self._wait_ready(timeout)
                 return self
             except ServerStartError:
-                if not self._picked or attempt == BIND_ATTEMPTS - 1 or self.proc.poll() is None:
+                if not repick or attempt == BIND_ATTEMPTS - 1 or self.proc.poll() is None:
                     raise
                 self.port, self.http_port = free_port(), free_port()
         raise AssertionError("unreachable")
