@@ -100,6 +100,7 @@ def test_a_reconnect_never_reuses_another_sessions_context():
     hist = [1, 2, 3, 4, 5, 6, 7, 8]
     assert codes(svc.ingest(b, [(0, 0, hist), (1, 0, hist[:6])])) == {}
     assert svc.call(b, p.Free([0], True)).ok                                      # b: one retained, one active
+    assert codes(svc.ingest(a, [(5, 0, [9, 9, 9])])) == {} and svc.call(a, p.Free([5], True)).ok  # a's own
     reply = svc.reconnect(a, 0, hist)              # the same tokens in another session: rebuilt, not forked
     assert reply.ok and reply.result == {"restored": 0}
     snap = svc.snapshot()
