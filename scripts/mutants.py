@@ -41,7 +41,7 @@ MUTANTS = (
            "live = np.fromiter((r.disabled is None for r in recs), dtype=bool, count=n)",
            "live = np.ones(n, dtype=bool)",
            ("tests/test_transport_client.py", "tests/test_transport_faults.py")),
-    Mutant("vocab-range", "draft ids outside the target's vocabulary never reach vLLM", "transport/client.py",
+    Mutant("vocab-range", "draft ids outside the target's vocabulary never reach vLLM", "transport/replies.py",
            "bad = ((d < -1) | (d >= vocab)).any(axis=1) if vocab else (d < -1).any(axis=1)",
            "bad = (d < -1).any(axis=1)",
            ("tests/test_transport_client.py::test_out_of_vocab_drafts_are_dropped",)),
