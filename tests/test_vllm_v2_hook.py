@@ -223,5 +223,6 @@ def test_v2_other_methods_stay_local(method, vllm_config, tp_group, ngram_server
     assert type(spec) is cls and type(spec).__name__ == name          # vLLM's own speculator
     if method == "ngram_gpu":
         assert built == [(config, torch.device("cpu"), sim.req_states)]
+    from k3_accel.vllm.spec_decode.methods import REMOTE_METHODS
     assert ignored == [f"k3-accel: draft_address is ignored: method {method!r} is drafted locally "
-                       f"(remote methods: ['dflash', 'ngram'])"]
+                       f"(remote methods: {list(REMOTE_METHODS)})"]
