@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--draft", metavar="DIR", help="a real DFlash draft checkpoint for --target")
     demo.add_argument("--untrained", action="store_true",
                       help="random tiny target and draft, nothing trained (faster; drafts are almost never accepted)")
+    demo.add_argument("--adaptive", action="store_true",
+                      help="let the per-step K controller (the plugin's default) choose K; without it the demo "
+                           "drafts a fixed K, since on a CPU the draft server shares the target's cores")
     demo.add_argument("--keep", action="store_true", help="keep the temp dir (checkpoints, logs)")
     demo.add_argument("--json", action="store_true", help="print the raw result as JSON")
     probe = sub.add_parser("probe", help="hello + stats to a running draft server; prints JSON")
@@ -34,7 +37,8 @@ def _demo(args: argparse.Namespace) -> int:
     from k3_accel.demo.child import ChildError
     from k3_accel.demo.main import DemoError, DemoOptions, run_demo
     try:
-        return run_demo(DemoOptions(args.engine, args.target, args.draft, args.keep, args.json, args.untrained))
+        return run_demo(DemoOptions(args.engine, args.target, args.draft, args.keep, args.json, args.untrained,
+                                       args.adaptive))
     except (DemoError, ChildError) as exc:
         print(f"k3-accel demo: {exc}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from typing import TextIO
 from k3_accel.demo.checkpoints import build_info, build_tiny
 from k3_accel.demo.child import run_in_child
 from k3_accel.demo.report import format_report
-from k3_accel.demo.scenario import Round, Run, Scenario
+from k3_accel.demo.scenario import FIXED_K, Round, Run, Scenario
 
 __all__ = ["DemoError", "DemoOptions", "build_tiny", "demo_scenario", "run_demo"]
 
@@ -56,6 +56,7 @@ class DemoOptions:
     keep: bool = False                # keep the temp dir (checkpoints, logs)
     as_json: bool = False
     untrained: bool = False           # random tiny checkpoints (nothing trained)
+    adaptive: bool = False            # the per-step K controller (off: a fixed K; see demo_scenario)
 
     def check(self) -> None:
         if self.engine not in ("dflash", "ngram"):
@@ -106,11 +107,14 @@ def demo_rounds(faults: bool) -> list[Round]:
 
 
 def demo_scenario(opts: DemoOptions, target: str, draft: str | None, workdir: Path) -> Scenario:
+    """The demo's runs. A fixed K unless ``--adaptive``: on this CPU box the draft server shares the
+    target's cores, so its round trip is as long as a target step and the per-step K controller (the
+    plugin's default) rightly switches speculation off, which would hide what the demo is for."""
     return Scenario(target=target, workdir=str(workdir), server_args=server_args(opts.engine, target, draft),
                     engine=dict(TINY_ENGINE if opts.target is None else REAL_ENGINE),
                     runs=[Run("without", demo_rounds(faults=False)),
                           Run("with", demo_rounds(faults=True), speculative=speculative_config(opts.engine, draft),
-                              remote=True)])
+                              remote=True, plugin={} if opts.adaptive else dict(FIXED_K))])
 
 
 def run_demo(opts: DemoOptions, out: TextIO = sys.stdout) -> int:

@@ -79,7 +79,7 @@ def _controller(client: dict) -> str:
     """What the per-step K controller decided (requests' drafts per step, how often it was off)."""
     c = client.get("controller")
     if not c:
-        return "fixed (adaptive off)"
+        return "fixed K (this demo's default on a CPU; --adaptive lets the per-step controller choose)"
     hist = {int(k): n for k, n in (c.get("k_chosen") or {}).items()}
     total = sum(hist.values()) or 1
     spread = " ".join(f"K={k}: {n / total:.0%}" for k, n in sorted(hist.items()) if n)
