@@ -412,3 +412,21 @@ def test_optional_rows_are_dropped_instead_of_waiting_for_a_busy_slot(server, cl
     assert not client.is_disabled("a")
     client.flush()
     assert client.server_stats()["ingested_rows"] == 3                   # only a's rows reached the server
+
+
+def test_only_requests_the_link_disabled_draft_again(server, client_factory):
+    """Once the link is back, a request disabled by the link (a timeout) drafts again; one disabled
+    for its own trouble (rows that skip past its context) stays off until it leaves the batch."""
+    client = client_factory(server.address, timeout_ms=1500)
+    client.step(rows(["ok", "bad"], [(0, [1, 2, 1]), (0, [3, 4, 3])], anchors=[2, 4]))
+    client.step(rows(["bad"], [(9, [5])], anchors=[6]))                  # a gap: its own failure
+    assert client.is_disabled("bad") and not client.is_disabled("ok")
+    server.pause()
+    try:
+        client.step(rows(["ok"], [(3, [2])], anchors=[1]))               # times out: the link's failure
+    finally:
+        server.resume()
+    assert client.is_disabled("ok")
+    assert drafts_again(client)
+    assert not client.is_disabled("ok") and "ok" in client.wants_history()
+    assert client.is_disabled("bad") and "bad" not in client.wants_history()
