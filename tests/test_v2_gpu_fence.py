@@ -38,19 +38,16 @@ def test_the_stream_waits_for_the_host_word_and_the_host_does_not():
     reply = torch.zeros(4, dtype=torch.int64, pin_memory=True)
     out = torch.zeros(4, dtype=torch.int64, device=dev_)
     stream = torch.cuda.current_stream()
-    t0 = time.perf_counter()
     fence.enqueue(1, stream)
     out.copy_(reply, non_blocking=True)
     done = torch.cuda.Event()
     done.record(stream)
-    launched = time.perf_counter() - t0
     time.sleep(0.2)
-    assert not done.query()                       # the GPU is still waiting for the word
+    assert not done.query()                       # the host is here; the GPU still waits for the word
     reply.copy_(torch.arange(1, 5))
     fence.signal(1)
     done.synchronize()
     assert out.tolist() == [1, 2, 3, 4]
-    assert launched < 0.1                          # the host only enqueued (a count, not a benchmark)
     fence.close()
     fence.enqueue(10 ** 9, stream)                 # released for good: never blocks again
     torch.cuda.synchronize()
@@ -97,7 +94,6 @@ def test_a_drafting_step_returns_before_the_reply_and_the_drafts_follow(client_f
         relay.pause()                                              # the reply will wait
         _spin(50)                                                  # the "forward" still runs
         batch = _batch(device, prompts)
-        t0 = time.perf_counter()
         with no_host_sync():
             step = launch(rows, slots, batch, None, dev(torch.ones(2, dtype=torch.int32, device=device)),
                           dev(torch.zeros(2, dtype=torch.int32, device=device)), last, nxt, np.arange(2), K, {},
@@ -105,16 +101,14 @@ def test_a_drafting_step_returns_before_the_reply_and_the_drafts_follow(client_f
             seq = pipe.submit(step, propose=True)
             pipe.fence.enqueue(seq, torch.cuda.current_stream())
             out.copy_(pipe.reply_rows(seq, 2, K), non_blocking=True)
-        returned = time.perf_counter() - t0
         done = torch.cuda.Event()
         done.record()
         time.sleep(0.3)
-        assert not done.query()                                    # drafts not in yet: the GPU waits
+        assert not done.query()      # the step returned with the relay still holding the reply: the GPU waits
         relay.resume()
         done.synchronize()
         want = [expected(prompts["a"], 2), expected(prompts["b"], 7)]
         assert out.tolist() == want and failures == []
-        assert returned < 0.3                                      # the step did not wait for the relay
     finally:
         relay.resume()
         pipe.close(10)

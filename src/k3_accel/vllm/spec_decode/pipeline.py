@@ -68,7 +68,7 @@ class DraftPipeline:
         if propose:
             self._seq += 1
             seq = self._seq
-        self._jobs.put((self._step, (launch, seq), None))
+        self._jobs.put((lambda client: self._step(launch, seq), None))
         return seq
 
     def reply_rows(self, seq: int, rows: int, k: int) -> torch.Tensor:
@@ -86,7 +86,7 @@ class DraftPipeline:
             raise PipelineClosed("the draft thread is closed")
         done = threading.Event() if wait else None
         box: list = []
-        self._jobs.put((fn, (), (done, box)))
+        self._jobs.put((fn, (done, box)))
         if done is None:
             return None
         if not done.wait(timeout):
@@ -127,9 +127,9 @@ class DraftPipeline:
                 job = self._jobs.get()
                 if job is _STOP:
                     return
-                fn, args, reply = job
+                fn, reply = job
                 try:
-                    value = fn(self.client) if reply is not None or not args else fn(*args)
+                    value = fn(self.client)
                     if reply is not None:
                         reply[1].append((True, value))
                 except BaseException as exc:  # noqa: BLE001 - reported to the caller / failure log
