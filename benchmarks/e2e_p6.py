@@ -146,12 +146,12 @@ def make_llm(target: str, args, **extra):
 
 
 def _oracle_counts(doc: dict, path: Path, work: Path) -> None:
-    """The oracle's own counts per (length, B): drafts it made right = what a greedy target
+    """The oracle's own counts per (variant, length, B): drafts it made right = what a greedy target
     accepts when its output equals the record (``identical_to_record``)."""
     for line in path.read_text().splitlines() if path.exists() else []:
         c = json.loads(line)
         for b in BATCHES:
-            entry = doc["remote"].get(str(c["length"]), {}).get(b)
+            entry = doc["variants"].get(c.get("tag") or "", {}).get(str(c["length"]), {}).get(b)
             if entry is not None and c["record"] == str(work / f"record-{b}.json") and c["found"]:
                 entry["oracle"] = {k: c[k] for k in ("requests", "found", "scheduled_accepts")}
                 entry["oracle_acceptance_length"] = 1 + c["scheduled_accepts"] / c["found"]
@@ -161,6 +161,109 @@ def _save(doc: dict, out: str | None) -> None:
     """The document so far (a run cut short by its time limit keeps what it measured)."""
     if out:
         Path(out).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+# fixed: K = 7 drafts for every request in every step (the plugin's controller off);
+# adaptive: the plugin's per-step K controller with vLLM's adaptive verification, which admits
+# no verification slot for a position the plugin reports with confidence 0 (docs/remote-drafting-v2.md)
+VARIANTS = {"fixed": ({}, {"adaptive": False}),
+            "adaptive": ({"enable_adaptive_verification": True}, {"adaptive": True})}
+
+
+def run_variant(name: str, doc: dict, target: str, draft: str, address: str, control: Path,
+                prompts: dict, warm: list, work: Path, args) -> None:
+    spec_extra, plugin = VARIANTS[name]
+    llm = make_llm(target, args, speculative_config={"method": "dflash", "model": draft,
+                                                     "num_speculative_tokens": K, **spec_extra},
+                   additional_config={"k3_accel": {"draft_address": address, **plugin,
+                                                   **json.loads(args.plugin)}})
+    out = doc["variants"].setdefault(name, {"speculative_config": spec_extra, "plugin": plugin})
+    try:
+        generate(llm, warm, 16)
+        for length in LENGTHS:
+            for b in BATCHES:
+                control.write_text(json.dumps({"length": length, "record": str(work / f"record-{b}.json"),
+                                               "seed": b, "tag": name}))
+                time.sleep(0.01)
+                before = spec_counters(llm)
+                secs, outs = generate(llm, prompts[b], args.tokens)
+                after = spec_counters(llm)
+                rec = json.loads((work / f"record-{b}.json").read_text())["sequences"]
+                drafts = after.get("drafts", 0) - before.get("drafts", 0)
+                acc = after.get("accepted", 0) - before.get("accepted", 0)
+                per_pos = [a - c for a, c in zip(after.get("per_pos", []), before.get("per_pos", [0] * K))]
+                entry = {"seconds": secs, "tokens_per_s": b * args.tokens / secs,
+                         "speedup": (b * args.tokens / secs) / doc["baseline"][b]["tokens_per_s"],
+                         "identical_to_record": [p + o for p, o in zip(prompts[b], outs)] == rec,
+                         "drafts": drafts, "accepted": acc,
+                         "draft_tokens": after.get("draft_tokens", 0) - before.get("draft_tokens", 0),
+                         "mean_acceptance_length": 1 + acc / drafts if drafts else None,
+                         "accepted_per_position": [x / drafts for x in per_pos] if drafts else []}
+                out.setdefault(str(length), {})[b] = entry
+                print(json.dumps({"variant": name, "length": length, "B": b, **entry}), flush=True)
+                _save(doc, args.out)
+        control.write_text(json.dumps({"length": 1.0, "record": None, "tag": None}))   # flushes the last counts
+        generate(llm, warm[:1], 4)
+        _oracle_counts(doc, Path(f"{control}.counts.jsonl"), work)
+        out["drafter"] = _drafter_stats(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+def _drafter_stats(llm) -> dict | None:
+    """The plugin's own view (chosen K, steps off, probes, cost fit) where the engine exposes it."""
+    try:
+        return llm.collective_rpc(_stats_on_worker)[0]
+    except Exception as exc:  # noqa: BLE001 - informative only
+        return {"error": str(exc)[:300]}
+
+
+def _stats_on_worker(worker):
+    runner = worker.model_runner
+    spec = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
+    stats = getattr(spec, "stats", None)
+    return stats() if callable(stats) else None
+
+
+def _speedups(doc: dict, name: str) -> dict:
+    v = doc["variants"].get(name, {})
+    return {str(L): {str(b): v[str(L)][b]["speedup"] for b in BATCHES if b in v.get(str(L), {})}
+            for L in LENGTHS if str(L) in v}
+
+
+def summary(doc: dict, machine: str) -> dict:
+    fixed = _speedups(doc, "fixed")
+    return {
+        "metric": "tokens/s with remote DFlash drafting (oracle, K=7 fixed, server on the same GPU) / without "
+                  "speculation, B=32, acceptance length 4",
+        "ratio": fixed.get("4.0", {}).get("32"), "goal": ">= 2.0 at B=32 and >= 2.5 at B=1 for length 4",
+        "speedup": fixed, "speedup_adaptive": _speedups(doc, "adaptive"),
+        "acceptance_length_proposed": {name: {str(L): {str(b): e.get("oracle_acceptance_length")
+                                                       for b, e in v[str(L)].items()}
+                                              for L in LENGTHS if str(L) in v}
+                                       for name, v in doc["variants"].items()},
+        "outputs_identical_to_record": all(e["identical_to_record"] for v in doc["variants"].values()
+                                           for L in LENGTHS for e in v.get(str(L), {}).values()),
+        "server": "oracle DFlash engine (Qwen3-8B DFlash shape) on the same GPU as the target",
+        "machine": machine, "date": datetime.date.today().isoformat()}
+
+
+def adaptive_summary(doc: dict, machine: str) -> dict:
+    """Issue 24 on the H200: the adaptive controller against no speculation (length 1) and against
+    the best of the fixed choices measured in this run (K = 0, i.e. no speculation, and K = 7)."""
+    ada, fixed = _speedups(doc, "adaptive"), _speedups(doc, "fixed")
+    at1 = ada.get("1.0", {})
+    vs_best = {L: {b: ada[L][b] / max(1.0, fixed.get(L, {}).get(b, 0.0)) for b in ada[L]}
+               for L in ada if L != "1.0"}
+    return {"metric": "tokens/s with the adaptive controller / without speculation at acceptance length 1, "
+                      "worst over B=1,8,32 (oracle DFlash, K<=7, server on the same GPU)",
+            "ratio": min(at1.values()) if at1 else None,
+            "goal": ">= 0.97 at length 1; within 5% of the best fixed K at lengths 4 and 6.5",
+            "speedup_adaptive": ada, "speedup_fixed_k7": fixed,
+            "adaptive_over_best_fixed_measured": vs_best,
+            "best_fixed_measured_from": "K=0 (no speculation) and K=7 only; other fixed K not run (one engine start each)",
+            "machine": machine, "date": datetime.date.today().isoformat()}
 
 
 def main() -> int:
@@ -173,6 +276,8 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--plugin", default="{}",
                     help='more additional_config["k3_accel"] keys as JSON, e.g. \'{"adaptive": "off"}\' for a fixed K')
+    ap.add_argument("--variants", default="fixed,adaptive", help="fixed: K=7 always; adaptive: the plugin's controller")
+    ap.add_argument("--adaptive-out", default=None, help="issue 24's adaptive-h200.json")
     ap.add_argument("--shape", choices=["qwen3-8b", "tiny"], default="qwen3-8b", help="tiny: CPU smoke run")
     args = ap.parse_args()
     import numpy as np
@@ -185,7 +290,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     prompts = {b: rng.integers(10, vocab, size=(b, args.prompt_len)).tolist() for b in BATCHES}
     warm = rng.integers(10, vocab, size=(8, 64)).tolist()
-    doc: dict = {"config": vars(args), "baseline": {}, "remote": {}}
+    doc: dict = {"config": vars(args), "baseline": {}, "variants": {}}
     llm = make_llm(target, args)
     generate(llm, warm, 16)
     for b in BATCHES:
@@ -204,52 +309,22 @@ def main() -> int:
     server, address = start_server(target, draft, control, work / "oracle-server.log", args.shape,
                                    "cuda" if torch.cuda.is_available() else "cpu")
     try:
-        llm = make_llm(target, args, speculative_config={"method": "dflash", "model": draft,
-                                                         "num_speculative_tokens": K},
-                       additional_config={"k3_accel": {"draft_address": address, **json.loads(args.plugin)}})
-        generate(llm, warm, 16)
-        for length in LENGTHS:
-            for b in BATCHES:
-                control.write_text(json.dumps({"length": length, "record": str(work / f"record-{b}.json"),
-                                               "seed": b}))
-                time.sleep(0.01)
-                before = spec_counters(llm)
-                secs, outs = generate(llm, prompts[b], args.tokens)
-                after = spec_counters(llm)
-                rec = json.loads((work / f"record-{b}.json").read_text())["sequences"]
-                drafts = after.get("drafts", 0) - before.get("drafts", 0)
-                acc = after.get("accepted", 0) - before.get("accepted", 0)
-                per_pos = [a - c for a, c in zip(after.get("per_pos", []), before.get("per_pos", [0] * K))]
-                entry = {"seconds": secs, "tokens_per_s": b * args.tokens / secs,
-                         "speedup": (b * args.tokens / secs) / doc["baseline"][b]["tokens_per_s"],
-                         "identical_to_record": [p + o for p, o in zip(prompts[b], outs)] == rec,
-                         "drafts": drafts, "accepted": acc,
-                         "mean_acceptance_length": 1 + acc / drafts if drafts else None,
-                         "accepted_per_position": [x / drafts for x in per_pos] if drafts else []}
-                doc["remote"].setdefault(str(length), {})[b] = entry
-                print(json.dumps({"length": length, "B": b, **entry}), flush=True)
-                _save(doc, args.out)
-        control.write_text(json.dumps({"length": 1.0, "record": None}))   # flushes the last counts
-        generate(llm, warm[:1], 4)
-        _oracle_counts(doc, Path(f"{control}.counts.jsonl"), work)
-        _save(doc, args.out)
-        llm.llm_engine.engine_core.shutdown()
+        for name in args.variants.split(","):
+            try:
+                run_variant(name, doc, target, draft, address, control, prompts, warm, work, args)
+            except Exception as exc:   # noqa: BLE001 - recorded; the other variant still runs
+                doc["variants"].setdefault(name, {})["error"] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
+                print(json.dumps({"variant": name, "error": doc["variants"][name]["error"][-600:]}), flush=True)
+            _save(doc, args.out)
     finally:
         server.terminate()
         server.wait(30)
-    r = doc["remote"]
-    speed = {L: {b: r[str(L)][b]["speedup"] for b in BATCHES} for L in LENGTHS}
-    doc["summary"] = {
-        "metric": "tokens/s with remote DFlash drafting (oracle, K=7, server on the same GPU) / without "
-                  "speculation, B=32, acceptance length 4",
-        "ratio": speed[4.0][32], "goal": ">= 2.0 at B=32 and >= 2.5 at B=1 for length 4",
-        "speedup": {str(L): {str(b): v for b, v in s.items()} for L, s in speed.items()},
-        "acceptance_length_proposed": {str(L): {str(b): r[str(L)][b].get("oracle_acceptance_length")
-                                                for b in BATCHES} for L in LENGTHS},
-        "outputs_identical_to_record": all(e["identical_to_record"] for x in r.values() for e in x.values()),
-        "server": "oracle DFlash engine (Qwen3-8B DFlash shape) on the same GPU as the target",
-        "machine": f"1x {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}, torch {torch.__version__}, vllm {__import__('vllm').__version__}",
-        "date": datetime.date.today().isoformat()}
+    machine = (f"1x {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}, "
+               f"torch {torch.__version__}, vllm {__import__('vllm').__version__}")
+    doc["summary"] = summary(doc, machine)
+    if args.adaptive_out and "adaptive" in doc["variants"]:
+        emit({"config": doc["config"], "baseline": doc["baseline"], "variants": doc["variants"],
+              "summary": adaptive_summary(doc, machine)}, args.adaptive_out)
     emit(doc, args.out)
     return 0
 

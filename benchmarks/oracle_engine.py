@@ -89,7 +89,7 @@ class OracleDFlashEngine(DFlashEngine):
 
     def _build(self, weights: Any, *, control: str | None = None, **options: Any) -> None:
         super()._build(weights, **options)
-        self.control, self._mtime, self._record = control, None, None
+        self.control, self._mtime, self._record, self._tag = control, None, None, None
         self.oracle = Oracle(1.0, [], self.config.vocab_size)
         self.last_compute: Proposal | None = None
 
@@ -101,9 +101,10 @@ class OracleDFlashEngine(DFlashEngine):
             if self._mtime is not None:       # what the last setting proposed, for the benchmark
                 with open(f"{self.control}.counts.jsonl", "a") as fh:
                     fh.write(json.dumps({"length": self.oracle.length, "record": self._record,
-                                         **self.oracle.counts}) + "\n")
+                                         "tag": self._tag, **self.oracle.counts}) + "\n")
             self.oracle = Oracle.from_control(self.control, self.config.vocab_size)
-            self._record = json.loads(Path(self.control).read_text()).get("record")
+            control = json.loads(Path(self.control).read_text())
+            self._record, self._tag = control.get("record"), control.get("tag")
             self._mtime = mtime
 
     @torch.inference_mode()

@@ -61,9 +61,9 @@ def scenario(method: str, target: str, draft: str | None, work: Path, engine: di
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
         server = ["--engine", "ngram", "--num-speculative-tokens", str(K)]
-    else:
-        spec = {"method": "dflash", "model": draft, "num_speculative_tokens": K}
-        server = ["--engine", "dflash", "--draft-model", draft, "--target-model", target, "--device", device,
+    else:   # dflash, dspark: the server runs the engine of the method's name on the draft
+        spec = {"method": method, "model": draft, "num_speculative_tokens": K}
+        server = ["--engine", method, "--draft-model", draft, "--target-model", target, "--device", device,
                   "--memory-budget-mb", "1024", "--num-speculative-tokens", str(K)]
     runs = [Run("without", rounds(False))] if baseline else []
     runs.append(Run("with", rounds(True), speculative=spec, remote=True))
@@ -190,6 +190,7 @@ def main() -> int:
     ap.add_argument("--engine-json", default="{}", help="LLM(...) keywords over the defaults")
     args = ap.parse_args()
     from k3_accel.demo.checkpoints import build_tiny
+    from k3_accel.testing.tiny_dspark import write_tiny_dspark
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     target, draft = build_tiny(work / "ckpt", with_draft=True, trained=True, k=K, log=lambda m: print(m, flush=True))
@@ -211,12 +212,18 @@ def main() -> int:
         doc["methods"]["dflash"] = summarize("dflash", runs["with"], baseline, result)
         finish(doc, engine, args.out)           # written now too: ngram may run out of time
         break
-    if engine is not None and "ngram" in args.methods:
+    others = [m for m in args.methods.split(",") if m in ("ngram", "dspark")]
+    for method in others if engine is not None else []:
         try:
-            result = run_scenario(scenario("ngram", target, None, work / "ngram", engine, False, args.server_device), work / "ngram", env)
-            doc["methods"]["ngram"] = summarize("ngram", runs_by_name(result)["with"], baseline, result)
+            # dspark: a random tiny DSpark draft in vLLM's layout (not distilled: its acceptance is
+            # reported as it is; the point is the V2 path and identical outputs)
+            draft_for = {"ngram": None, "dspark": str(write_tiny_dspark(work / "ckpt" / "dspark", target))}
+            result = run_scenario(scenario(method, target, draft_for[method], work / method, engine, False,
+                                           args.server_device), work / method, env)
+            doc["methods"][method] = summarize(method, runs_by_name(result)["with"], baseline, result)
         except Exception as exc:
-            doc["methods"]["ngram"] = {"error": str(exc)[-4000:]}
+            doc["methods"][method] = {"error": str(exc)[-4000:]}
+        finish(doc, engine, args.out)
     finish(doc, engine, args.out)
     return 0 if doc["summary"]["identical_outputs"] else 1
 
@@ -225,12 +232,15 @@ def finish(doc: dict, engine: dict | None, out: str | None) -> None:
     from report import emit
     d = doc["methods"].get("dflash", {})
     n = doc["methods"].get("ngram", {})
+    others = [v for k, v in doc["methods"].items() if k != "dflash"]
     doc["summary"] = {
         "metric": "outputs identical with and without remote drafting (vLLM 0.33 V2 runner, greedy, tiny trained target)",
-        "identical_outputs": bool(d.get("identical_outputs")) and n.get("identical_outputs", True) is True,
+        "identical_outputs": bool(d.get("identical_outputs")) and all(v.get("identical_outputs", True) is True
+                                                                      for v in others),
         "methods_run": sorted(k for k, v in doc["methods"].items() if "error" not in v),
         "dflash_accepted_per_position": d.get("accepted_per_position"),
         "ngram_accepted_per_position": n.get("accepted_per_position"),
+        "dspark_accepted_per_position": doc["methods"].get("dspark", {}).get("accepted_per_position"),
         "ratio": d.get("mean_acceptance_length"), "goal": "identical outputs, acceptance > 0",
         "engine": engine, "machine": _machine(), "date": datetime.date.today().isoformat()}
     emit(doc, out)

@@ -55,15 +55,16 @@ deadline=$((SECONDS + ${TOTAL_S:-540}))    # p6 gets whatever is left of it
 for phase in $phases; do
   case $phase in
     install) install > "$OUT/install.log" 2>&1; echo "install rc=$?"; tail -30 "$OUT/install.log" ;;
-    tiny) timeout ${TINY_TIMEOUT:-420} python3 benchmarks/vllm_e2e_tiny.py --methods ${TINY_METHODS:-dflash,ngram} --out "$OUT/vllm-e2e-h200.json" \
+    tiny) timeout ${TINY_TIMEOUT:-520} python3 benchmarks/vllm_e2e_tiny.py --methods ${TINY_METHODS:-dflash,ngram,dspark} --out "$OUT/vllm-e2e-h200.json" \
             > "$OUT/tiny.log" 2>&1; r=$?; echo "tiny rc=$r"; [ $r -ne 0 ] && rc=$r
           grep -E "attempt|Error|error" "$OUT/tiny.log" | tail -30
           python3 -c "import json,sys; d=json.load(open('$OUT/vllm-e2e-h200.json')); print(json.dumps(d['summary'])); [print(k, json.dumps({x: v.get(x) for x in ('identical_outputs','accepted_per_position','mean_acceptance_length','server_ops_after_engine_start','killed_round','syncs_total','syncs_with_plugin_frames','plugin_sync_sites','memory_by_round','rounds_differing','error')})) for k, v in d['methods'].items()]" ;;
     gputest) timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_oracle_engine.py \
             > "$OUT/gputest.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gputest.log" ;;
-    p6) timeout ${P6_TIMEOUT:-$((deadline - SECONDS))} python3 benchmarks/e2e_p6.py --plugin "${P6_PLUGIN:-{\}}" --out "$OUT/e2e-h200.json" > "$OUT/p6.log" 2>&1
+    p6) timeout ${P6_TIMEOUT:-$((deadline - SECONDS))} python3 benchmarks/e2e_p6.py --plugin "${P6_PLUGIN:-{\}}" --variants "${P6_VARIANTS:-fixed,adaptive}" \
+          --out "$OUT/e2e-h200.json" --adaptive-out "$OUT/adaptive-h200.json" > "$OUT/p6.log" 2>&1
         r=$?; echo "p6 rc=$r"; [ $r -ne 0 ] && rc=$r
-        grep -E '^\{"(baseline|length)|Error|error' "$OUT/p6.log" | tail -40 ;;
+        grep -E '^\{"(baseline|variant)|Error|error' "$OUT/p6.log" | cut -c1-400 | tail -40 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" /tmp/k3-e2e/*/*.log /tmp/k3-e2e/*/result.json /tmp/k3-p6/*.log 2>/dev/null
