@@ -1,0 +1,60 @@
+"""The demo's own rules (issue 25's module mutants found them unguarded): option checks, scenario
+checks, and which checkpoints a demo builds."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from k3_accel.demo.checkpoints import build_tiny
+from k3_accel.demo.main import DemoError, DemoOptions
+from k3_accel.demo.scenario import Round, Run, Scenario, ScenarioError
+from k3_accel.testing.tiny_lm import RECORD
+
+
+def _checkpoint(tmp_path, name: str) -> str:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text("{}")
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(engine="dflash", target="T"), "--draft"),              # a real target's DFlash needs its draft
+    (dict(engine="ngram", draft="D"), "--target"),               # a draft alone has no embeddings
+    (dict(engine="dflash", target="T", draft="D", untrained=True), "--untrained"),
+    (dict(engine="eagle"), "expected dflash or ngram"),
+])
+def test_demo_options_that_cannot_run_are_refused_by_name(tmp_path, kw, words):
+    kw = {k: _checkpoint(tmp_path, v) if k in ("target", "draft") else v for k, v in kw.items()}
+    with pytest.raises(DemoError, match=words):
+        DemoOptions(**kw).check()
+
+
+def test_demo_options_that_can_run_pass(tmp_path):
+    DemoOptions("dflash", _checkpoint(tmp_path, "T"), _checkpoint(tmp_path, "D")).check()
+    DemoOptions("ngram", _checkpoint(tmp_path, "T2")).check()
+    DemoOptions("dflash").check()                                # the built-in tiny checkpoints
+
+
+def test_a_remote_run_without_a_draft_server_is_refused():
+    runs = [Run("with", [Round([[1, 2, 3]])], remote=True)]
+    with pytest.raises(ScenarioError, match="no server"):
+        Scenario(target="T", runs=runs).validate()
+    Scenario(target="T", runs=runs, server_address="tcp://127.0.0.1:1").validate()
+    Scenario(target="T", runs=runs, server_args=["--engine", "ngram"]).validate()
+
+
+def test_a_round_action_must_be_known_and_complete():
+    for action in ({"step": 1, "do": "explode"}, {"step": "1", "do": "kill"}, {"step": 1, "do": "touch"}):
+        runs = [Run("with", [Round([[1]], actions=[action])], remote=True)]
+        with pytest.raises(ScenarioError, match="bad action"):
+            Scenario(target="T", runs=runs, server_args=[]).validate()
+
+
+def test_the_default_demo_trains_its_target_and_untrained_is_random(tmp_path):
+    trained, _ = build_tiny(tmp_path / "trained", with_draft=False, trained=True)
+    record = json.loads((tmp_path / "trained" / "target" / RECORD).read_text())
+    assert record["loss_last"] < record["loss_first"]            # it learnt the built-in text
+    random_target, _ = build_tiny(tmp_path / "random", with_draft=False, trained=False)
+    assert not (tmp_path / "random" / "target" / RECORD).exists()
+    assert trained != random_target
