@@ -1,14 +1,20 @@
 """The second mutant set (issue 25): bugs written from the rules a reviewer would fear, one module
 at a time, not from the tests. Each names the rule it breaks and the tests that must notice.
-``python scripts/mutants.py --set rules`` runs them; ``--set all`` runs both sets.
+``python scripts/mutants.py --set rules`` runs them; ``--set all`` runs both sets. The sibling files
+``mutant_rules_{transport,vllm,server,tools}.py`` hold one more per module the list below left out
+(``--set modules`` runs only those).
 """
 from __future__ import annotations
 
 from mutant import Mutant
+from mutant_rules_server import SERVER_MUTANTS
+from mutant_rules_tools import TOOLS_MUTANTS
+from mutant_rules_transport import TRANSPORT_MUTANTS
+from mutant_rules_vllm import VLLM_MUTANTS
 
 V33 = ".venv-vllm033"           # mutants whose guarding tests need vLLM 0.33
 
-RULE_MUTANTS = (
+FIRST_RULE_MUTANTS = (
     # ------------------------------------------------------------- server state
     Mutant("evict-oldest", "a session over its share gives back its newest requests", "server/state.py",
            "next((st for st in reversed(victim.active.values()) if id(st) not in protected), None)",
@@ -115,3 +121,6 @@ RULE_MUTANTS = (
            "                self.port, self.http_port = free_port(), free_port()\n", "",
            ("tests/test_launcher.py",)),
 )
+
+MODULE_MUTANTS = TRANSPORT_MUTANTS + VLLM_MUTANTS + SERVER_MUTANTS + TOOLS_MUTANTS
+RULE_MUTANTS = FIRST_RULE_MUTANTS + MODULE_MUTANTS

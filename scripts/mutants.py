@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mutant import Mutant  # noqa: E402
-from mutant_rules import RULE_MUTANTS  # noqa: E402
+from mutant_rules import MODULE_MUTANTS, RULE_MUTANTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,7 +106,7 @@ MUTANTS = (
 )
 
 
-SETS = {"planted": MUTANTS, "rules": RULE_MUTANTS, "all": MUTANTS + RULE_MUTANTS}
+SETS = {"planted": MUTANTS, "rules": RULE_MUTANTS, "modules": MODULE_MUTANTS, "all": MUTANTS + RULE_MUTANTS}
 
 
 def run(mutant: Mutant, timeout: float) -> str:
@@ -141,7 +141,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("words", nargs="*", help="only mutants whose name contains one of these")
     ap.add_argument("--set", choices=sorted(SETS), default="all")
     ap.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (each in its own copy)")
+    ap.add_argument("--uncovered", action="store_true",
+                    help="list the modules of src/k3_accel without a mutant in the set, run nothing")
     args = ap.parse_args(argv)
+    if args.uncovered:
+        have = {m.file for m in SETS[args.set]}
+        package = ROOT / "src" / "k3_accel"
+        missing = sorted(str(f.relative_to(package)) for f in package.rglob("*.py")
+                         if f.name != "__init__.py" and str(f.relative_to(package)) not in have)
+        print("\n".join(missing) or "every module has a mutant")
+        return 1 if missing else 0
     chosen = [m for m in SETS[args.set] if not args.words or any(word in m.name for word in args.words)]
 
     def one(mutant: Mutant) -> tuple[Mutant, str]:
