@@ -39,6 +39,10 @@ MESSAGES = {
     "ping": (p.Ping(), ()),
     "bye": (p.Bye(), ()),
     "stats": (p.Stats(), ()),
+    "attach": (p.Attach("host", "GPU-x", "bfloat16", 3, 5,
+                        [p.IpcTensor([5, 3], [3, 1], 0, "bfloat16", b"h", 30, 0, b"/rc", 0, b"e", True)], [b"r"]),
+               ()),
+    "propose+slot": (p.Propose(4, 1, 2, "bfloat16", 3, slot=1), (meta([7], [5], [2], [9], [0]), ints([1, 2]))),
 }
 
 
@@ -52,10 +56,10 @@ def test_request_round_trip(name):
     req = p.decode_request(_bytes(p.encode_request(11, msg, *frames)))
     assert req.seq == 11 and req.msg == msg and req.op == msg.__struct_config__.tag
     if isinstance(msg, p.ROW_OPS):
-        cols = p.META_COLUMNS[type(msg)]
+        cols = p.META_COLUMNS[type(msg)] + (msg.slot >= 0)     # + the slot rows on the device plane
         assert req.meta.shape == (msg.n, cols) and req.meta.dtype == np.int64
         assert req.meta.tobytes() == bytes(frames[0]) and req.tokens.tobytes() == bytes(frames[1])
-        if msg.hidden:
+        if msg.hidden and msg.slot < 0:
             assert req.hidden.dtype == torch.bfloat16 and torch.equal(req.hidden, HIDDEN)
         else:
             assert req.hidden is None

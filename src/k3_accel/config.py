@@ -40,6 +40,17 @@ def _switch(key: str) -> Callable[[Any], bool]:
     return parse
 
 
+def _choice(*allowed: str) -> Callable[[str], Callable[[Any], str]]:
+    def make(key: str) -> Callable[[Any], str]:
+        def parse(value: Any) -> str:
+            text = str(value).strip().lower()
+            if text not in allowed:
+                raise ConfigError(f"{key}={value!r}: allowed {list(allowed)}")
+            return text
+        return parse
+    return make
+
+
 def _optional_str(key: str) -> Callable[[Any], str | None]:
     def parse(value: Any) -> str | None:
         if value is None:
@@ -88,6 +99,7 @@ class K3Config:
     draft_timeout_ms: int = 30000             # hello, ingests, frees: generous
     draft_propose_timeout_ms: int = 50        # a propose's reply: step-sized (the GPU waits for it)
     ingest_ring_depth: int = 2                # pinned staging slots; 0 = every ingest waits for its reply
+    device_plane: str = "auto"                # auto: hidden rows GPU to GPU when the server is on this host; off
     adaptive: bool = True                     # per-step K from measured acceptance and costs; off = fixed K
     adaptive_min_k: int = 0                   # fewest drafts for a sampling request (0: speculation may stop)
     adaptive_probe_interval: int = 32         # while speculation is off, one step in this many drafts fully
@@ -121,6 +133,7 @@ _SETTINGS = (
     _Setting("draft_propose_timeout_ms", "VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS", _positive_int),
     _Setting("ingest_ring_depth", "VLLM_K3_DRAFT_ASYNC_PREFILL_INGEST",
              lambda key: _positive_int(key, allow_zero=True)),
+    _Setting("device_plane", "VLLM_K3_DRAFT_DEVICE_PLANE", _choice("auto", "off")),
     _Setting("adaptive", "VLLM_K3_DRAFT_ADAPTIVE", _switch),
     _Setting("adaptive_min_k", "VLLM_K3_DRAFT_ADAPTIVE_MIN_K", lambda key: _positive_int(key, allow_zero=True)),
     _Setting("adaptive_probe_interval", "VLLM_K3_DRAFT_ADAPTIVE_PROBE_INTERVAL", _positive_int),

@@ -123,14 +123,17 @@ def diagnose(address: str, needs: handshake.TargetNeeds, spec: Any, *, max_batch
     if why is not None:
         report.bad(f"speculative method: {why}; set method to dflash, dspark or ngram")
         return report
+    ring = _test_ring(needs)
     settings = ClientSettings(address=address, timeout_ms=timeout_ms, max_rows=max(max_batched_tokens, 64),
                               context_width=needs.context_width, hidden_dtype=needs.hidden_dtype,
                               num_speculative_tokens=needs.num_speculative_tokens,
                               target_vocab_size=needs.vocab_size, hidden_size=needs.hidden_size,
                               aux_layer_ids=needs.aux_layer_ids, max_requests=needs.max_requests, draft=needs.draft,
                               curve_server_key=curve_server_key, curve_client_key=curve_client_key,
-                              client_name="k3-accel-doctor")
-    client = DraftClient(settings).start()
+                              client_name="k3-accel-doctor",
+                              # never a full-size device ring here: a small test ring or none
+                              device_plane="off" if ring is None and torch.cuda.is_available() else "auto")
+    client = DraftClient(settings, device_ring=ring).start()
     try:
         _check(client, needs, max_batched_tokens, report)
         if report.ok:
@@ -167,6 +170,31 @@ def _check(client, needs: handshake.TargetNeeds, max_batched_tokens: int, report
         report.good(f"message limit {caps.max_message_bytes / 2**20:.0f} MiB holds a full step "
                     f"({largest / 2**20:.1f} MiB)")
     _fair_share(caps, report)
+    if caps.needs_hidden_states:
+        _device_plane(client, report)
+
+
+def _test_ring(needs: handshake.TargetNeeds):
+    """A small device ring on this host's GPU, to ask the server whether it can open one (the
+    target's own ring is max_num_batched_tokens rows; the answer is the same). None without CUDA."""
+    from k3_accel.transport.device_plane import DeviceRing
+    if not torch.cuda.is_available() or needs.context_width <= 0:
+        return None
+    try:
+        return DeviceRing(2, 64, needs.context_width, needs.hidden_dtype, "cuda")
+    except Exception:  # noqa: BLE001 - then the report says why there is no device plane
+        return None
+
+
+def _device_plane(client, report: Report) -> None:
+    """Which path a target on this host would ship its hidden rows by, and why."""
+    plane = client.stats()["device_plane"]
+    if plane["path"] == "device":
+        report.good("device plane: the server opened a ring of this host's GPU, so a target here ships its "
+                    "hidden rows GPU to GPU (CUDA IPC), control on the socket")
+    else:
+        report.note(f"device plane off, hidden rows take the host path (pinned memory, the socket): "
+                    f"{plane['reason']}")
 
 
 def _fair_share(caps, report: Report) -> None:

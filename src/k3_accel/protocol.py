@@ -9,6 +9,10 @@ as raw frames, in a fixed order with shapes implied by the header:
 - ``propose`` ``meta int64 [n, 4]`` (handle, start, count, anchor) | ``tokens`` | ``hidden``
 - ``reconnect`` ``tokens int64 [length]``
 
+On the device plane (``slot >= 0``, agreed by ``attach``) a row message carries no
+``hidden`` frame: its rows sit in the target's shared device slot ``slot``, and
+``meta`` gets one more column, the slot row of each request's first row.
+
 Request ``i`` owns the next ``count`` rows, which sit at positions
 ``start .. start+count-1``; a propose's anchor sits at ``start + count``.
 Requests are integer *handles* chosen by the client (never reused within its
@@ -89,7 +93,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 # ------------------------------------------------------------------- messages
 class _Msg(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
-    pass
+    """Trailing fields at their defaults are left off the wire (:func:`encode_request`), so a
+    peer that predates a new optional field (``slot``) decodes every message that does not use it."""
 
 
 SESSION_KEY_CHARS = (16, 128)   # a session key's length: a secret that cannot be guessed
@@ -105,6 +110,7 @@ class Ingest(_Msg, tag="ingest"):
     rows: int                    # context rows in all
     hidden: str = ""             # dtype of the hidden frame, "" = none
     width: int = 0
+    slot: int = -1               # >= 0: the hidden rows are in this device slot (no hidden frame)
 
 
 class Propose(_Msg, tag="propose"):
@@ -115,6 +121,7 @@ class Propose(_Msg, tag="propose"):
     width: int = 0
     logits: str = "none"         # none | full | topk
     topk: int = 0
+    slot: int = -1               # as Ingest.slot
 
 
 class Free(_Msg, tag="free"):
@@ -134,6 +141,36 @@ class Reconnect(_Msg, tag="reconnect"):
     length: int
 
 
+class IpcTensor(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """One CUDA tensor shared through CUDA IPC: the fields of torch's ``reduce_tensor`` that
+    ``rebuild_cuda_tensor`` needs (the storage's IPC handle, its producer's ref counter and event)."""
+    shape: list[int]
+    stride: list[int]
+    offset: int                  # storage offset, in elements
+    dtype: str
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter: bytes
+    ref_offset: int
+    event: bytes
+    event_sync: bool
+
+
+class Attach(_Msg, tag="attach"):
+    """Offer the target's device ring (``depth`` slots of ``[capacity, width]`` hidden rows of
+    ``dtype`` on CUDA device ``device``, a UUID, on host ``host``) and an interprocess event per
+    slot that completes when the slot is written. The reply's ``released`` are the server's
+    event handles, one per slot, recorded when it has read it; an error reply refuses the plane."""
+    host: str
+    device: str
+    dtype: str
+    width: int
+    capacity: int
+    slots: list[IpcTensor]
+    ready: list[bytes]
+
+
 class Ping(_Msg, tag="ping"):
     pass
 
@@ -146,7 +183,7 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
-Message = Union[Hello, Ingest, Propose, Free, Clear, Reconnect, Ping, Bye, Stats]
+Message = Union[Hello, Ingest, Propose, Free, Clear, Reconnect, Attach, Ping, Bye, Stats]
 OPS = {cls.__struct_config__.tag: cls for cls in Message.__args__}
 ROW_OPS = (Ingest, Propose)
 META_COLUMNS = {Ingest: 3, Propose: 4}
@@ -156,6 +193,14 @@ class _Envelope(msgspec.Struct, array_like=True):
     v: int
     seq: int
     msg: Message
+
+
+class DeviceOffer(msgspec.Struct, frozen=True, kw_only=True):
+    """A server's device plane (hello): where it runs and whether it takes a target's ring."""
+    accepts: bool = False        # it will try to open a ring (``attach``)
+    host: str = ""               # host identity (boot id and host name, hashed)
+    devices: list[str] = []      # UUIDs of the CUDA devices it can open memory of
+    why: str = ""                # why it does not accept, when it does not
 
 
 class Caps(msgspec.Struct, frozen=True, kw_only=True):
@@ -184,6 +229,7 @@ class Caps(msgspec.Struct, frozen=True, kw_only=True):
     share_requests: int = 0              # active requests it was guaranteed at hello
     draft: dict[str, Any] = {}           # the draft model's facts a target's draft config must match (DSpark)
     confidence: bool = False             # propose replies carry ``confidence`` [n, k] float32
+    device_plane: DeviceOffer = msgspec.field(default_factory=DeviceOffer)
     protocol: int = PROTOCOL_VERSION
 
 
@@ -248,6 +294,7 @@ class Request(msgspec.Struct):
     meta: Optional[np.ndarray] = None
     tokens: Optional[np.ndarray] = None
     hidden: Optional[torch.Tensor] = None
+    fetch: Any = None            # server side: the device-plane read of its rows (server/device_plane.py)
 
     @property
     def op(self) -> str:
@@ -256,7 +303,27 @@ class Request(msgspec.Struct):
 
 def encode_request(seq: int, msg: Message, *frames: Any) -> list:
     """Frames of a request: the header, then the op's frames (memoryviews or bytes, sent as given)."""
-    return [_encoder.encode((PROTOCOL_VERSION, seq, msg)), *frames]
+    return [_encoder.encode((PROTOCOL_VERSION, seq, _trimmed(msg))), *frames]
+
+
+_DEFAULTS: dict[type, tuple[int, tuple]] = {}
+
+
+def _trimmed(msg: Message) -> Any:
+    """``msg`` as its wire array without the trailing fields that hold their defaults (msgspec
+    writes every field of an array-like struct, and a peer that predates a field refuses it)."""
+    cls = type(msg)
+    spec = _DEFAULTS.get(cls)
+    if spec is None:
+        spec = _DEFAULTS[cls] = (len(cls.__struct_fields__) - len(cls.__struct_defaults__), cls.__struct_defaults__)
+    first, defaults = spec
+    if not defaults:
+        return msg
+    values = msgspec.structs.astuple(msg)
+    end = len(values)
+    while end > first and values[end - 1] == defaults[end - 1 - first]:
+        end -= 1
+    return msg if end == len(values) else (cls.__struct_config__.tag, *values[:end])
 
 
 def _peek_version(raw: bytes) -> tuple[Any, int]:
@@ -324,20 +391,32 @@ def _version_message(version: Any) -> str:
 def _attach_frames(req: Request, frames: Sequence[Any], max_bytes: int) -> Request:
     msg = req.msg
     if isinstance(msg, ROW_OPS):
-        cols = META_COLUMNS[type(msg)]
-        if msg.n < 0 or msg.rows < 0 or msg.width < 0:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "n, rows and width must be >= 0")
-        want = 3 if msg.hidden else 2
+        device = msg.slot >= 0
+        cols = META_COLUMNS[type(msg)] + device          # + the slot row of each request
+        if msg.n < 0 or msg.rows < 0 or msg.width < 0 or msg.slot < -1:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "n, rows and width must be >= 0, slot >= -1")
+        if device and not msg.hidden:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{req.op}.slot: a device slot needs the hidden dtype")
+        want = 3 if msg.hidden and not device else 2
         if len(frames) != want:
             raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"{req.op} needs {want} frames, got {len(frames)}")
         if msg.hidden and msg.hidden not in HIDDEN_DTYPES:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"hidden={msg.hidden!r}: allowed {list(HIDDEN_DTYPES)}")
-        if msg.hidden and msg.rows * msg.width * DTYPES[msg.hidden].itemsize > max_bytes:
+        if msg.hidden and not device and msg.rows * msg.width * DTYPES[msg.hidden].itemsize > max_bytes:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"hidden rows declare more than {max_bytes} bytes")
         req.meta = frame_array(frames[0], np.int64, (msg.n, cols), "meta")
         req.tokens = frame_array(frames[1], np.int64, (msg.rows,), "tokens")
-        if msg.hidden:
+        if msg.hidden and not device:
             req.hidden = frame_tensor(frames[2], DTYPES[msg.hidden], (msg.rows, msg.width), "hidden")
+    elif isinstance(msg, Attach):
+        if frames:
+            raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"attach takes no frames, got {len(frames)}")
+        if msg.dtype not in HIDDEN_DTYPES or msg.width < 1 or msg.capacity < 1 or not msg.slots \
+                or len(msg.slots) != len(msg.ready) or any(
+                    t.shape != [msg.capacity, msg.width] or t.dtype != msg.dtype for t in msg.slots):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "attach: a hidden dtype, width and capacity >= 1, "
+                                                     "slots of [capacity, width] of that dtype, one ready "
+                                                     "event per slot")
     elif isinstance(msg, Reconnect):
         if len(frames) != 1 or msg.length < 0:
             raise ProtocolError(ErrorCode.FRAME_MISMATCH, "reconnect needs one tokens frame of length >= 0")

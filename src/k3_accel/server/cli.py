@@ -13,6 +13,7 @@ from pathlib import Path
 import zmq
 
 from k3_accel.protocol import DEFAULT_MAX_MESSAGE_BYTES
+from k3_accel.server.device_plane import ServerDevicePlane
 from k3_accel.server.engines.base import DraftEngine
 from k3_accel.server.http import HealthServer
 from k3_accel.server.loop import ServerLoop
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--curve-authorized-keys", metavar="DIR", help="directory of authorized client public keys")
     ap.add_argument("--allow-insecure-remote", action="store_true",
                     help="allow a non-loopback bind without CURVE (anyone who reaches the port can use it)")
+    ap.add_argument("--device-plane", choices=["auto", "off", "always"], default="auto",
+                    help="hidden rows GPU to GPU from targets on this host (CUDA IPC): auto = offered when the "
+                         "engine runs on CUDA; always = offered even when it does not (tests of the refusal)")
     ap.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO",
                     help="log verbosity (stderr)")
     return ap
@@ -202,7 +206,8 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> None:
                              max_requests_total=args.max_requests_total,
                              max_retained=args.max_retained_requests, weights=dict(args.session_weight))
         service = DraftService(engine, store, metrics, max_message_bytes=args.max_message_mb * MIB,
-                               lease_s=args.lease_s)
+                               lease_s=args.lease_s,
+                               device_plane=ServerDevicePlane.for_engine(engine, args.device_plane))
         endpoints = [f"tcp://{_bracket(args.host)}:{args.port}"]
         if args.ipc_path is not None:
             endpoints.append(f"ipc://{args.ipc_path}")

@@ -95,8 +95,10 @@ class ServerLoop:
                 if stop.is_set():
                     break                     # what waits now is answered SHUTTING_DOWN
                 if any(c.queue for c in self._conns.values()):
-                    self._round()
-                    self._spin_until = time.monotonic() + SPIN_S
+                    if self._round():
+                        self._spin_until = time.monotonic() + SPIN_S
+                    else:                     # every head waits for rows from a target's GPU
+                        self.sock.poll(1, zmq.POLLIN)
                 self._housekeeping()
         finally:
             self.ready.clear()
@@ -137,18 +139,25 @@ class ServerLoop:
             log.exception("unexpected failure decoding a message")
             conn.queue.append(self.service.reject(ProtocolError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")))
 
-    def _round(self) -> None:
-        """Handle the head message of every connection; proposes as one batch."""
+    def _round(self) -> bool:
+        """Handle the head message of every connection; proposes as one batch. False when
+        nothing could be handled (every head waits for its device rows)."""
         heads = [c for c in self._conns.values() if c.queue]
-        proposes = []
+        proposes, handled = [], 0
         for conn in heads:
             item = conn.queue[0]
             if conn.session is not None and not self.service.store.is_open(conn.session):
                 conn.session = None           # its session ended (bye, perhaps on another connection)
+            if not self._fetched(conn, item):
+                continue                      # its rows are still on their way from the target's GPU
+            item = conn.queue[0]
+            handled += 1
             if isinstance(item, Reply):
                 self._send(conn, item)
             elif conn.session is None or isinstance(item.msg, p.Hello):
                 self._send(conn, self._unbound(conn, item))
+            elif isinstance(item.msg, p.Attach):
+                self._send(conn, self.service.attach(conn.session, conn.ident, item))
             elif isinstance(item.msg, p.Propose):
                 proposes.append(conn)
                 continue
@@ -168,6 +177,18 @@ class ServerLoop:
             for conn, reply in zip(proposes, batch.finish()):
                 conn.queue.popleft()
                 self._send(conn, reply)
+        return handled > 0
+
+    def _fetched(self, conn: _Conn, item) -> bool:
+        """Whether a head message's device-plane rows are here (a refused read becomes its reply)."""
+        if isinstance(item, Reply) or conn.session is None:
+            return True
+        try:
+            return self.service.plane.fetch(conn.session.key, conn.ident, item)
+        except ProtocolError as exc:
+            exc.seq = item.seq
+            conn.queue[0] = self.service.reject(exc)
+            return True
 
     def _unbound(self, conn: _Conn, req: p.Request) -> Reply:
         """A hello (binds the connection to a session) or a message before any hello."""
@@ -195,6 +216,7 @@ class ServerLoop:
                     conn.session = None
         for ident in [i for i, c in self._conns.items() if c.session is None and not c.queue]:
             del self._conns[ident]
+        self.service.plane.collect()
         self.service.metrics.refresh(store.summary)
         self.service.metrics.flush()
 

@@ -41,6 +41,7 @@ class RowMessage:
     k: int = 0
     logits: str = "none"
     topk: int = 0
+    nonfinite: np.ndarray | None = None   # [rows] device-plane rows: checked on the device when read
 
     @property
     def n(self) -> int:
@@ -62,7 +63,8 @@ def check_message(req: p.Request, caps: EngineCaps) -> RowMessage:
     if len(set(handles.tolist())) != len(handles):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "a request handle appears twice in one message")
     _check_hidden(msg, caps)
-    out = RowMessage(handles, starts, counts, offsets, req.tokens, req.hidden, None)
+    out = RowMessage(handles, starts, counts, offsets, req.tokens, req.hidden, None,
+                     nonfinite=req.fetch.nonfinite if req.fetch is not None else None)
     if isinstance(msg, p.Propose):
         _check_propose(msg, caps)
         out.anchors, out.k, out.logits, out.topk = meta[:, 3], msg.k, msg.logits, msg.topk
@@ -105,11 +107,14 @@ _NONFINITE_BITS = {
 _CHECK_CHUNK_BYTES = 1 << 20           # rows are checked a cache-sized slab at a time
 
 
-def bad_rows(hidden: torch.Tensor | None, offsets: np.ndarray) -> np.ndarray:
-    """Per request: how many of its hidden rows hold NaN or Inf (zeros without hidden rows)."""
+def bad_rows(hidden: torch.Tensor | None, offsets: np.ndarray, flags: np.ndarray | None = None) -> np.ndarray:
+    """Per request: how many of its hidden rows hold NaN or Inf (zeros without hidden rows);
+    ``flags``: which rows do, when already known (rows read over the device plane)."""
     if hidden is None or hidden.shape[0] == 0:
         return np.zeros(len(offsets) - 1, dtype=np.int64)
-    return _per_request(_nonfinite_rows(hidden).astype(np.int64), offsets)
+    if flags is None:
+        flags = _nonfinite_rows(hidden)
+    return _per_request(flags.astype(np.int64), offsets)
 
 
 def _nonfinite_rows(hidden: torch.Tensor) -> np.ndarray:
@@ -167,7 +172,7 @@ def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
     what making room evicts (never a context the message names)."""
     out, engine = Admitted(), store.engine
     vocab = engine.caps.vocab_size
-    bad = bad_rows(rows.hidden, rows.offsets) if rows.hidden is not None else None
+    bad = bad_rows(rows.hidden, rows.offsets, rows.nonfinite) if rows.hidden is not None else None
     bad_ids = _per_request(outside_vocab(rows.tokens, vocab), rows.offsets)
     bad_anchors = outside_vocab(rows.anchors, vocab) if rows.anchors is not None else None
     pool = engine.pool
@@ -212,6 +217,15 @@ def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
     return out
 
 
+def _keep_rows(hidden: torch.Tensor, keep: np.ndarray, stream) -> torch.Tensor:
+    """The kept rows; on a device (rows read over the device plane) on the engine's stream,
+    whose work reads them (the buffer's memory then belongs to it)."""
+    if hidden.device.type != "cuda":
+        return hidden[torch.from_numpy(keep)]
+    with torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream(hidden.device)):
+        return hidden[torch.from_numpy(keep).to(hidden.device)]
+
+
 def apply(store: RequestStore, rows: RowMessage, admitted: Admitted) -> int:
     """Store the admitted requests' rows (one engine call); returns the rows stored."""
     idx = np.asarray(admitted.index, dtype=np.int64)
@@ -224,7 +238,7 @@ def apply(store: RequestStore, rows: RowMessage, admitted: Admitted) -> int:
     if len(idx) < rows.n:                         # some failed: keep only the admitted rows
         keep = np.repeat(np.isin(np.arange(rows.n), idx), rows.counts)
         tokens = tokens[keep]
-        hidden = hidden[torch.from_numpy(keep)] if hidden is not None else None
+        hidden = _keep_rows(hidden, keep, getattr(store.engine, "stream", None)) if hidden is not None else None
     offsets = np.concatenate(([0], np.cumsum(counts)))
     total = int(offsets[-1])
     changed = [j for j, (s, c) in enumerate(zip(starts.tolist(), counts.tolist()))

@@ -20,6 +20,7 @@ import torch
 from k3_accel import protocol as p
 from k3_accel.protocol import ErrorCode, ProtocolError, Reply
 from k3_accel.server import rows as r
+from k3_accel.server.device_plane import ServerDevicePlane
 from k3_accel.server.engines.base import DraftEngine, EngineError, EngineFault, Proposal, ProposeBatch
 from k3_accel.server.metrics import ServerMetrics
 from k3_accel.server.reconnect import reconnect
@@ -50,8 +51,10 @@ class _Job:
 
 class DraftService:
     def __init__(self, engine: DraftEngine, store: RequestStore, metrics: ServerMetrics, *,
-                 max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES, lease_s: float = 0.0):
+                 max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES, lease_s: float = 0.0,
+                 device_plane: ServerDevicePlane | None = None):
         self.engine, self.store, self.metrics = engine, store, metrics
+        self.plane = device_plane if device_plane is not None else ServerDevicePlane.for_engine(engine)
         self.server_id = new_server_id()
         c = engine.caps
         self.caps = p.Caps(
@@ -63,7 +66,8 @@ class DraftService:
             max_requests_total=store.max_requests_total, max_message_bytes=max_message_bytes,
             pool_blocks=engine.pool.num_blocks,
             pool_bytes=engine.pool.num_blocks * engine.pool.block_rows * engine.bytes_per_row,
-            lease_s=lease_s, fair_share=True, draft=dict(c.draft), confidence=c.confidence)
+            lease_s=lease_s, fair_share=True, draft=dict(c.draft), confidence=c.confidence,
+            device_plane=self.plane.offer)
         store.on_gave_back = lambda session, kind: metrics.gave_back(session.name, kind)
         self._handlers: dict[type, Callable] = {
             p.Ingest: self._ingest, p.Free: self._free, p.Clear: self._clear, p.Reconnect: self._reconnect,
@@ -85,6 +89,15 @@ class DraftService:
                                        share_requests=shares["share_requests"])
         reply = Reply(req.seq, True, self.server_id, result=msgspec.to_builtins(caps))
         return session, self._done(req, reply)
+
+    def attach(self, session: Session, conn: bytes, req: p.Request) -> Reply:
+        """Open the target's device ring for this session and connection (the device plane)."""
+        session.last_seen = time.monotonic()
+        try:
+            reply = self._ok(req, result=self.plane.attach(session.key, conn, req.msg))
+        except ProtocolError as exc:
+            reply = p.error_reply(req.seq, self.server_id, exc.code, exc.message)
+        return self._done(req, reply)
 
     def handle(self, session: Session, req: p.Request) -> Reply:
         """Run one non-propose request; every failure becomes a typed error reply."""
@@ -226,6 +239,7 @@ class DraftService:
         return self._ok(req, result={"released": self._close(session)})
 
     def _close(self, session: Session) -> int:
+        self.plane.drop(session.key)             # its device ring is unmapped with it
         self.metrics.session_closed(session.name)
         return self.store.close_session(session)
 
@@ -241,7 +255,7 @@ class DraftService:
 
     def _stats(self, session: Session, req: p.Request) -> Reply:
         return self._ok(req, result={**self.metrics.snapshot(), **self.store.summary(),
-                                     "session": session.name})
+                                     "session": session.name, "device_plane": self.plane.stats()})
 
     def reclaim(self, session: Session, why: str) -> None:
         """Free a session whose client went away (lease expired)."""

@@ -45,6 +45,8 @@ class ClientSettings:
     backoff_max_ms: int = 10000
     heartbeat_ms: int = 2000                  # a ping after this long without a message (keeps the lease)
     zero_copy_min_bytes: int = 64 * 1024      # smaller frames are copied (cheaper than zero-copy)
+    device_plane: str = "auto"                # hidden rows GPU to GPU when the server is on this host (auto | off)
+    device: str | None = None                 # the target's CUDA device for the device ring (None: the current one)
 
     def __post_init__(self) -> None:
         try:
@@ -59,6 +61,8 @@ class ClientSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise SettingsError(f"{name}={value!r}: expected an integer >= {low}")
+        if self.device_plane not in ("auto", "off"):
+            raise SettingsError(f"device_plane={self.device_plane!r}: allowed ['auto', 'off']")
         if self.logits not in LOGITS_MODES:
             raise SettingsError(f"logits={self.logits!r}: allowed {list(LOGITS_MODES)}")
         if self.logits == "topk" and self.topk < 1:
@@ -85,12 +89,13 @@ class ClientSettings:
         """Settings from a ``K3Config`` plus target facts (max_rows, context_width, ...)."""
         if not getattr(config, "draft_address", None):
             raise SettingsError("no draft server address (VLLM_K3_DRAFT_REMOTE_ADDRESS)")
-        return cls(address=config.draft_address, timeout_ms=config.draft_timeout_ms,
-                   propose_timeout_ms=config.draft_propose_timeout_ms,
-                   ring_depth=config.ingest_ring_depth, capture_dir=config.capture_dir,
-                   timing_log_interval=config.timing_log_interval,
-                   curve_server_key=config.curve_server_key, curve_client_key=config.curve_client_key,
-                   **target)
+        base = dict(address=config.draft_address, timeout_ms=config.draft_timeout_ms,
+                    propose_timeout_ms=config.draft_propose_timeout_ms,
+                    ring_depth=config.ingest_ring_depth, capture_dir=config.capture_dir,
+                    device_plane=getattr(config, "device_plane", "auto"),
+                    timing_log_interval=config.timing_log_interval,
+                    curve_server_key=config.curve_server_key, curve_client_key=config.curve_client_key)
+        return cls(**{**base, **target})
 
 
 IntSeq = Sequence[int] | torch.Tensor
@@ -113,6 +118,8 @@ class StepInput:
     ``num_accepted``: drafts the target accepted per request last step, if known.
     ``optional``: the rows may be dropped (their requests then draft no more) rather than
     make the step wait for a staging slot the server has not released yet.
+    ``temperature`` / ``seeds``: per request, to sample its drafts as vLLM seeds them (sent only
+    to a server whose hello offers ``sampling``; otherwise the drafts are greedy).
     """
     req_ids: Sequence[str]
     counts: Sequence[int]
@@ -126,6 +133,8 @@ class StepInput:
     prompt_token_ids: Mapping[str, IntSeq] | None = None
     num_accepted: Sequence[int] | None = None
     optional: bool = False          # nobody drafts: drop the rows rather than wait for a busy staging slot
+    temperature: Sequence[float] | torch.Tensor | None = None   # [R] >= 0 (0: greedy)
+    seeds: IntSeq | None = None                                 # [R] int64
 
     @property
     def num_requests(self) -> int:
@@ -139,6 +148,9 @@ class StepInput:
         for name in ("counts", "sampled", "anchor_tokens", "anchor_positions"):
             if len(getattr(self, name)) != r:
                 raise StepInputError(f"{name} has {len(getattr(self, name))} entries for {r} requests")
+        if (self.temperature is None) != (self.seeds is None) or (
+                self.temperature is not None and not len(self.temperature) == len(self.seeds) == r):
+            raise StepInputError(f"temperature and seeds: both or neither, {r} entries each")
         if self.num_accepted is not None and len(self.num_accepted) != r:
             raise StepInputError(f"num_accepted has {len(self.num_accepted)} entries for {r} requests")
         if any((not isinstance(c, int)) or c < 0 for c in self.counts):

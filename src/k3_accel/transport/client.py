@@ -36,6 +36,7 @@ from k3_accel.transport.api import ClientSettings, StepInput, StepOutput
 from k3_accel.transport.book import Record, RequestBook
 from k3_accel.transport.capture import CaptureWriter, submit_step
 from k3_accel.transport.connection import Pending, ReplyLate
+from k3_accel.transport.device_plane import DevicePlane, DeviceRing
 from k3_accel.transport.failures import FailureKind, RingTimeout, StepInputError, TransportError
 from k3_accel.transport.link import Link, State
 from k3_accel.transport.outbox import Outbox
@@ -53,13 +54,16 @@ SPIN_S = 0.002 if (os.cpu_count() or 1) >= 4 else 0.0
 class DraftClient:
     """The transport for one target (rank 0). Call :meth:`step` from one thread."""
 
-    def __init__(self, settings: ClientSettings):
+    def __init__(self, settings: ClientSettings, device_ring: DeviceRing | None = None):
         self.settings = settings
         self.telemetry = Telemetry(settings.timing_log_interval)
         self.book = RequestBook(self.telemetry)
-        self.link = Link(settings, self.telemetry, on_ready=self._on_ready, on_state_lost=self._on_state_lost)
         self.ring = StagingRing(max(settings.ring_depth, 1), settings.max_rows, settings.context_width,
                                 settings.hidden_dtype)
+        self.plane = DevicePlane.create(settings.device_plane, self.ring.depth, settings.max_rows,
+                                        settings.context_width, settings.hidden_dtype, settings.device, device_ring)
+        self.link = Link(settings, self.telemetry, on_ready=self._on_ready, on_state_lost=self._on_state_lost,
+                         on_lost=self.plane.lost)
         self.sender = Sender(settings.heartbeat_ms / 1000, self._heartbeat)
         self.outbox = Outbox(settings, self.link, self.ring, self.book, self.sender, self.telemetry)
         self._capture = (CaptureWriter(settings.capture_dir, self._on_capture_error)
@@ -83,7 +87,11 @@ class DraftClient:
     def start(self, wait_s: float | None = None) -> "DraftClient":
         """Connect and say hello, waiting up to ``wait_s`` (default: the timeout) for the
         answer; the hello goes on in later steps if it takes longer. Never raises on failure."""
-        self.link.start(self.settings.timeout_s if wait_s is None else wait_s)
+        wait_s = self.settings.timeout_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
+        self.link.start(wait_s)
+        while self.plane.state == "pending" and self.link.ready and time.monotonic() < deadline:
+            self.link.conn.poll(min(0.05, max(0.0, deadline - time.monotonic())))   # the attach's reply
         return self
 
     def close(self) -> None:
@@ -189,21 +197,21 @@ class DraftClient:
         t0 = time.perf_counter()
         if not deferred and not self.sender.wait_idle(self.settings.timeout_s):
             raise TransportError("deferred ingests not sent within the timeout")
-        slot, event = self._stage(inp, plan, deferred)
+        slot, event, device = self._stage(inp, plan, deferred)
         handles = np.empty(n, dtype=np.int64)
         ends = (plan.starts + counts).tolist()
         for i in plan.order.tolist():
             rec = recs[i]
             rec.length, rec.sent, handles[i] = ends[i], True, rec.handle
         if deferred:
-            self.outbox.defer(inp, plan, slot, event, handles)
+            self.outbox.defer(inp, plan, slot, event, handles, device)
             out.deferred = True
             self.telemetry.add("enqueue", time.perf_counter() - t0)
             return live
         if event is not None:
             with self.telemetry.phase("d2h"):
                 event.synchronize()
-        pending = self.outbox.post_step(inp, plan, slot, handles, anchor_tokens)
+        pending = self.outbox.post_step(inp, plan, slot, handles, anchor_tokens, device)
         self.telemetry.add("enqueue", time.perf_counter() - t0)
         self._finish_step(inp, out, plan, pending)
         return live
@@ -261,13 +269,17 @@ class DraftClient:
         want_hidden = inp.hidden is not None and (self.ships_hidden or self._capture is not None)
         if self.ships_hidden and inp.hidden is None and plan.total_rows:
             raise StepInputError(f"engine {self.caps.engine} needs hidden rows; StepInput.hidden is None")
+        device = None            # the device plane: hidden rows GPU to GPU, tokens through the slot
+        if want_hidden and self._capture is None and plan.total_rows and self.plane.usable(inp.hidden):
+            device = self.plane.stage(inp.hidden, plan.counts, plan.starts,
+                                      time.monotonic() + self.settings.timeout_s, self._progress)
         event = layout.stage(slot, plan.row_index(), plan.total_rows, inp.token_ids,
-                             inp.hidden if want_hidden else None, private=deferred)
+                             inp.hidden if want_hidden and device is None else None, private=deferred)
         self.telemetry.add("ring_wait", t1 - t0)
         self.telemetry.add("stage", time.perf_counter() - t1)
         if self._capture is not None:
             submit_step(self._capture, self.ring, inp, plan, slot, event, want_hidden, self.telemetry)
-        return slot, event
+        return slot, event, device
 
     def _progress(self, slot: Slot, left: float) -> None:
         """Make a busy slot free up: read replies (or wait for the sender / capture thread)."""
@@ -352,8 +364,10 @@ class DraftClient:
         self.book.rearm()
         for handles, retain in self.book.take_unsent_frees():
             self._free(handles, retain)
+        self.plane.offer(caps, self.link.conn.send)
 
     def _on_state_lost(self, why: str) -> None:
+        self.plane.lost()
         self.book.failures.push(FailureKind.SERVER_RESTART, detail=why, all_requests=True)
         self.book.server_state_lost()
 
@@ -392,7 +406,7 @@ class DraftClient:
             "incompatible": self.link.problem,
             "ring": {"depth": self.ring.depth, "pinned": self.ring.pinned, "bytes": self.ring.nbytes,
                      "deferral": self.settings.ring_depth > 0},
-            "requests": self.book.stats(),
+            "requests": self.book.stats(), "device_plane": self.plane.stats(),
             "capture": None if self._capture is None else
             {"records": self._capture.records, "errors": self._capture.errors},
         })

@@ -36,10 +36,11 @@ class State(str, Enum):
 
 class Link:
     def __init__(self, settings: ClientSettings, telemetry: Telemetry, *,
-                 on_ready: Callable[[Caps], None], on_state_lost: Callable[[str], None]):
+                 on_ready: Callable[[Caps], None], on_state_lost: Callable[[str], None],
+                 on_lost: Callable[[], None] = lambda: None):
         self.settings = settings
         self.telemetry = telemetry
-        self.on_ready, self.on_state_lost = on_ready, on_state_lost
+        self.on_ready, self.on_state_lost, self.on_lost = on_ready, on_state_lost, on_lost
         self.caps: Caps | None = None
         self.state = State.NEW
         self.problem: str | None = None       # why the link is incompatible
@@ -175,6 +176,7 @@ class Link:
         """Drop the socket after a transport error; reconnect later with backoff."""
         was_ready = self.state is State.READY
         self.conn.abandon(exc)
+        self.on_lost()
         self._hello = None
         if self.state in (State.INCOMPATIBLE, State.CLOSED):
             return

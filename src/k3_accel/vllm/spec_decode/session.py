@@ -83,11 +83,17 @@ def target_facts(vllm_config: Any) -> TargetFacts:
                        vocab_size=int(model.get_vocab_size()), max_num_seqs=int(sched.max_num_seqs))
 
 
-def client_settings(vllm_config: Any, facts: TargetFacts) -> ClientSettings:
-    """The transport settings of this engine (the plugin config plus the target's facts)."""
+def client_settings(vllm_config: Any, facts: TargetFacts, rows_on: torch.device | None = None) -> ClientSettings:
+    """The transport settings of this engine (the plugin config plus the target's facts).
+    ``rows_on``: the CUDA device the steps' hidden rows are on, when they are handed to the
+    transport there (V1): only then may the device plane carry them (its ring is allocated now,
+    before vLLM profiles memory); else the plane is off and no device ring is made."""
     f = facts
+    config = from_vllm(vllm_config)
+    on_device = rows_on is not None and rows_on.type == "cuda"
     return ClientSettings.from_config(
-        from_vllm(vllm_config), max_rows=f.max_rows, context_width=f.context_width,
+        config, device_plane=config.device_plane if on_device else "off",
+        device=str(rows_on) if on_device else None, max_rows=f.max_rows, context_width=f.context_width,
         hidden_dtype=f.hidden_dtype, num_speculative_tokens=f.num_speculative_tokens,
         target_vocab_size=f.vocab_size, hidden_size=f.hidden_size if f.aux_layer_ids else 0,
         aux_layer_ids=f.aux_layer_ids, max_requests=f.max_num_seqs, client_name=_client_name(vllm_config),
@@ -134,7 +140,7 @@ def broadcaster(group: Any, device: torch.device):
 class RemoteDraftSession:
     """The rank-0 draft thread plus the broadcast that gives every TP rank the same drafts."""
 
-    def __init__(self, vllm_config: Any, device: torch.device, failures: FailureLog):
+    def __init__(self, vllm_config: Any, device: torch.device, failures: FailureLog, device_rows: bool = False):
         self.facts = target_facts(vllm_config)
         self.device = device
         self.failures = failures
@@ -146,7 +152,7 @@ class RemoteDraftSession:
             from k3_accel.transport.client import DraftClient
             from k3_accel.vllm.spec_decode.fence import make_fence
             from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
-            self.settings = settings = client_settings(vllm_config, self.facts)
+            self.settings = settings = client_settings(vllm_config, self.facts, device if device_rows else None)
             self.pipeline = DraftPipeline(DraftClient(settings), make_fence(device), self.facts.max_num_seqs,
                                           self.facts.num_speculative_tokens, self._thread_failure,
                                           controller=make_controller(from_vllm(vllm_config), self.facts))

@@ -71,7 +71,7 @@ class RemoteDFlashProposer(RemoteProposerBase, DFlashProposer):
 
     def load_model(self, target_model: Any) -> None:
         """No draft weights on the target: connect to the draft server instead."""
-        self.core.open(self.vllm_config, self.device)
+        self.core.open(self.vllm_config, self.device, device_rows=True)
 
     def dummy_run(self, *args: Any, **kwargs: Any) -> None:
         return None
