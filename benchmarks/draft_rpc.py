@@ -5,13 +5,18 @@ The server (a subprocess: ``k3_accel.server`` loop and service over a
 ``draft_step.py``) holds B requests of CONTEXT rows each; the client
 (``DraftClient``, hidden rows on the GPU like a real target's) times decode
 steps: one new row per request (aux hidden rows, 5 x 4096 bf16) and K
-drafts back. Reported beside the engine's own propose time from the same
-server and a raw pyzmq ping-pong of the same frames. Written into
-``draft-step-*.json`` under ``client_round_trip`` (``--merge FILE``).
+drafts back, over the host path (pinned memory and the socket) and, on CUDA,
+the device plane (GPU to GPU through CUDA IPC, control on the socket), for
+each batch size. Reported beside the engine's own propose time from the same
+server and a raw pyzmq ping-pong of the same frames (without the hidden frame
+on the device path); ``--out`` writes ``summary.ratio`` = round trip / (engine
++ ping-pong), worst over B (device path when it ran). ``--merge FILE`` writes
+the results into a ``draft-step-*.json`` under ``client_round_trip``.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import os
@@ -71,7 +76,7 @@ def serve(port: int, quick: bool, profile: str | None = None) -> None:
                                           max_name_column_width=60) + "\n")
 
 
-def run(b: int, k: int, context: int, iters: int, quick: bool, profile: str | None = None) -> dict:
+def start_server(quick: bool, profile: str | None = None) -> tuple[subprocess.Popen, int, int]:
     port = free_port()
     extra = (["--quick"] if quick else []) + (["--profile-server", profile] if profile else [])
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)] + extra,
@@ -79,81 +84,130 @@ def run(b: int, k: int, context: int, iters: int, quick: bool, profile: str | No
     line = proc.stdout.readline().split()
     if not line or line[0] != "ready":
         raise RuntimeError("draft server did not start")
-    width = int(line[1])
+    return proc, port, int(line[1])
+
+
+def measure(port: int, width: int, path: str, b: int, k: int, context: int, iters: int) -> dict:
+    """Decode steps of B requests over one path (``host``: hidden rows through pinned memory and
+    the socket; ``device``: GPU to GPU through the device plane, control on the socket)."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
+    client = DraftClient(ClientSettings(address=f"tcp://127.0.0.1:{port}", timeout_ms=120000,
+                                        max_rows=8192, context_width=width, hidden_dtype=dtype,
+                                        num_speculative_tokens=k,
+                                        device_plane="auto" if path == "device" else "off")).start()
+    assert client.state.value == "ready", client.state
+    used = client.stats()["device_plane"]
+    gc.collect()
+    gc.freeze()      # as vLLM's engine core does after start-up (vllm.utils.gc_utils.freeze_gc_heap)
+    ids = [f"{path}{b}-r{i}" for i in range(b)]
+    per = max(1, 8192 // context)
+    for lo in range(0, b, per):                                  # prefill: CONTEXT rows each
+        sub = ids[lo:lo + per]
+        n = len(sub) * context
+        client.step(StepInput(sub, [context] * len(sub), torch.arange(context, device=dev).repeat(len(sub)),
+                              torch.randint(0, 1000, (n,), device=dev), [False] * len(sub), [1] * len(sub),
+                              [context] * len(sub), k=k, hidden=torch.randn(n, width, device=dev, dtype=dtype)))
+    client.flush()
+    times, server, engine = [], [], []
+    phases = client.telemetry._total
+    for i in range(iters + 10):
+        if i == 10:
+            phases.clear()                 # the client's phases: decode steps only
+        pos = context + i
+        inp = StepInput(ids, [1] * b, torch.full((b,), pos, device=dev), torch.randint(0, 1000, (b,), device=dev),
+                        [True] * b, torch.randint(0, 1000, (b,), device=dev), torch.full((b,), pos + 1, device=dev),
+                        k=k, hidden=torch.randn(b, width, device=dev, dtype=dtype))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        served = {n: phases[n].total if n in phases else 0.0 for n in ("server.store", "server.engine")}
+        t0 = time.perf_counter()
+        out = client.step(inp)
+        times.append(time.perf_counter() - t0)
+        now = {n: phases[n].total if n in phases else 0.0 for n in ("server.store", "server.engine")}
+        server.append(sum(now.values()) - sum(served.values()))
+        engine.append(now["server.engine"] - served["server.engine"])
+        assert out.drafts.shape == (b, k) and not client.is_disabled(ids[0])
+    stats = client.stats()
+    client.close()
+    times, server, engine = times[10:], server[10:], engine[10:]
+    on_device = stats["device_plane"]["path"] == "device"
+    meta = np.zeros((b, 4 + on_device), np.int64)
+    msg = p.Propose(k, b, b, "bfloat16", width, slot=0 if on_device else -1)
+    frames = [meta.data, np.zeros(b, np.int64).data] + ([] if on_device else [np.zeros(b * width * 2, np.uint8).data])
+    req = p.encode_request(1, msg, *frames)
+    rep = p.encode_reply(p.Reply(1, True, "x" * 18, result=[1e-4, 1e-4], tensors={"drafts": np.zeros((b, k), np.int32)}))
+    pp = ping_pong([len(bytes(f)) for f in req], [len(bytes(f)) for f in rep], iters + 10, "tcp")[10:]
+    rt, eng, raw = statistics.median(times), statistics.median(engine), statistics.median(pp)
+    return {"path": path, "path_used": stats["device_plane"]["path"], "path_reason": used["reason"],
+            "B": b, "K": k, "context": context, "hidden_width": width,
+            "round_trip_ms": rt * 1e3,
+            "round_trip_p90_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
+            "server_store_plus_engine_ms": statistics.median(server) * 1e3,
+            "engine_ms": eng * 1e3,
+            "raw_ping_pong_same_frames_ms": raw * 1e3,
+            "ratio_round_trip_over_engine_plus_ping_pong": rt / (eng + raw) if eng + raw > 0 else None,
+            "client_phases_ms": {n: round(v["mean_ms"], 4) for n, v in stats["phases"].items()}}
+
+
+def run(batches: list[int], k: int, context: int, iters: int, quick: bool, paths: list[str],
+        profile: str | None = None) -> list[dict]:
+    """Every (path, B) against one server process (its engine built once)."""
+    proc, port, width = start_server(quick, profile)
     try:
-        client = DraftClient(ClientSettings(address=f"tcp://127.0.0.1:{port}", timeout_ms=120000,
-                                            max_rows=8192, context_width=width, hidden_dtype=dtype,
-                                            num_speculative_tokens=k)).start()
-        assert client.state.value == "ready", client.state
-        gc.collect()
-        gc.freeze()      # as vLLM's engine core does after start-up (vllm.utils.gc_utils.freeze_gc_heap)
-        ids = [f"r{i}" for i in range(b)]
-        per = max(1, 8192 // context)
-        for lo in range(0, b, per):                                  # prefill: CONTEXT rows each
-            sub = ids[lo:lo + per]
-            n = len(sub) * context
-            client.step(StepInput(sub, [context] * len(sub), torch.arange(context, device=dev).repeat(len(sub)),
-                                  torch.randint(0, 1000, (n,), device=dev), [False] * len(sub), [1] * len(sub),
-                                  [context] * len(sub), k=k, hidden=torch.randn(n, width, device=dev, dtype=dtype)))
-        client.flush()
-        times, server = [], []
-        phases = client.telemetry._total
-        for i in range(iters + 10):
-            if i == 10:
-                phases.clear()                 # the client's phases: decode steps only
-            pos = context + i
-            inp = StepInput(ids, [1] * b, torch.full((b,), pos, device=dev), torch.randint(0, 1000, (b,), device=dev),
-                            [True] * b, torch.randint(0, 1000, (b,), device=dev), torch.full((b,), pos + 1, device=dev),
-                            k=k, hidden=torch.randn(b, width, device=dev, dtype=dtype))
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            served = sum(phases[n].total for n in ("server.store", "server.engine") if n in phases)
-            t0 = time.perf_counter()
-            out = client.step(inp)
-            times.append(time.perf_counter() - t0)
-            server.append(sum(phases[n].total for n in ("server.store", "server.engine")) - served)
-            assert out.drafts.shape == (b, k) and not client.is_disabled("r0")
-        stats = client.stats()
-        client.close()
+        return [measure(port, width, path, b, k, context, iters) for path in paths for b in batches]
     finally:
         proc.terminate()
         proc.wait(30)
-    times, server = times[10:], server[10:]
-    meta = np.zeros((b, 4), np.int64)
-    req = p.encode_request(1, p.Propose(k, b, b, "bfloat16", width), meta.data, np.zeros(b, np.int64).data,
-                           np.zeros(b * width * 2, np.uint8).data)
-    rep = p.encode_reply(p.Reply(1, True, "x" * 18, result=[1e-4, 1e-4], tensors={"drafts": np.zeros((b, k), np.int32)}))
-    pp = ping_pong([len(bytes(f)) for f in req], [len(bytes(f)) for f in rep], iters + 10, "tcp")[10:]
-    return {"B": b, "K": k, "context": context, "hidden_width": width,
-            "round_trip_ms": statistics.median(times) * 1e3,
-            "round_trip_p90_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
-            "server_store_plus_engine_ms": statistics.median(server) * 1e3,
-            "raw_ping_pong_same_frames_ms": statistics.median(pp) * 1e3,
-            "client_phases_ms": {n: round(v["mean_ms"], 4) for n, v in stats["phases"].items()}}
+
+
+def summary(results: list[dict]) -> dict:
+    """The issue's ratio: round trip / (engine propose + raw ping-pong of the same frames), worst over B,
+    on the device path when it ran (else the host path)."""
+    device = [r for r in results if r["path_used"] == "device"]
+    chosen = device or [r for r in results if r["path"] == "host"]
+    worst = max(chosen, key=lambda r: r["ratio_round_trip_over_engine_plus_ping_pong"] or 0.0)
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    return {"metric": f"propose round trip / (engine propose + raw ping-pong of the same frames), worst over "
+                      f"B = {sorted({r['B'] for r in chosen})}, {chosen[0]['path_used']} path, K = {worst['K']}, "
+                      f"context {worst['context']}",
+            "ratio": round(worst["ratio_round_trip_over_engine_plus_ping_pong"], 3), "goal": 1.3,
+            "machine": f"{dev}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+            "date": datetime.date.today().isoformat(), "worst_B": worst["B"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (any machine)")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=None, help="one batch size (default: --batches)")
+    ap.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    ap.add_argument("--paths", default="host,device" if torch.cuda.is_available() else "host",
+                    help="host, device or both (comma-separated): how hidden rows travel")
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--profile-server", help="write the server's torch profile (device and host time by op) to this file")
-    ap.add_argument("--merge", help="a draft-step JSON to write the result into (client_round_trip)")
+    ap.add_argument("--merge", help="a draft-step JSON to write the results into (client_round_trip)")
+    ap.add_argument("--out", help="write the JSON document (summary + results) here, e.g. draft-rpc-h200.json")
     args = ap.parse_args()
     if args.serve:
         serve(args.serve, args.quick, args.profile_server)
         return
-    result = run(args.batch, args.k, args.context, args.iters, args.quick, args.profile_server)
-    print(json.dumps(result, indent=2))
+    batches = [args.batch] if args.batch else [int(x) for x in args.batches.split(",")]
+    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    if any(x not in ("host", "device") for x in paths):
+        ap.error(f"--paths {args.paths!r}: host and/or device")
+    results = run(batches, args.k, args.context, args.iters, args.quick, paths, args.profile_server)
+    doc = {"summary": summary(results), "results": results}
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
     if args.merge:
-        doc = json.loads(Path(args.merge).read_text())
-        doc["client_round_trip"] = result
-        Path(args.merge).write_text(json.dumps(doc, indent=2) + "\n")
+        merged = json.loads(Path(args.merge).read_text())
+        merged["client_round_trip"] = results
+        Path(args.merge).write_text(json.dumps(merged, indent=2) + "\n")
 
 
 if __name__ == "__main__":
