@@ -24,7 +24,7 @@ VLLM_MUTANTS = (
     Mutant("core-drafts-misaligned", "a step's drafts go to the requests that asked; skipped ones get none",
            "vllm/spec_decode/core.py", "        out[torch.from_numpy(keep).to(out.device)] = drafts",
            "        out[:keep.size] = drafts",
-           ("tests/test_vllm_core.py", "tests/test_vllm_v1_inputs.py")),
+           ("tests/test_vllm_rules.py::test_a_v1_step_gives_the_drafts_to_the_request_that_asked_not_to_a_skipped_one",)),
     Mutant("rows-rejected-as-context", "rejected drafts are not context", "vllm/spec_decode/rows.py",
            "        valid = scheduled - rejected\n", "        valid = scheduled + 0 * rejected\n",
            ("tests/test_vllm_core.py",)),

@@ -73,3 +73,37 @@ def test_register_reports_a_hook_that_does_not_apply_here_as_off():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["on"]["communicator"] is result["cuda"]
     assert result["on"]["custom_op"] is True and result["on"]["proposer_v1"] is True
+
+
+@pytest.mark.vllm
+def test_a_v1_step_gives_the_drafts_to_the_request_that_asked_not_to_a_skipped_one(
+        vllm_config, tp_group, ngram_server, monkeypatch):
+    """The V1 runners' step: a skipped request (it finishes with this step) gets no draft, and the
+    drafts of the request after it land in that request's row, not in the skipped one's."""
+    import numpy as np
+
+    from helpers.oracles import ngram_lookup
+    from helpers.steps import step as rows
+    from k3_accel.vllm.spec_decode.core import RemoteDrafter
+    monkeypatch.setenv(ADDRESS_ENV, ngram_server.address)
+    monkeypatch.setenv("VLLM_K3_DRAFT_ADAPTIVE", "off")
+    k, history = 4, [1, 2, 1, 2, 1]
+    want = ngram_lookup([*history, 2], k)
+    drafter = RemoteDrafter()
+    drafter.open(vllm_config, "cpu")
+    kept: list[list[int]] = []
+    try:
+        for n in range(300):                      # the client connects on its own thread: step until it drafts
+            rid = f"a{n}"
+
+            def build(keep, fresh, rid=rid):
+                kept.append(keep.tolist())
+                return rows([rid], [(0, history)], anchors=[2], k=k)
+            out = drafter.step(["done", rid, "also-done"], skip=np.array([True, False, True]), k=k, build=build)
+            if (out[1] >= 0).any():
+                break
+        assert kept[-1] == [1]
+        assert out[0].tolist() == [-1] * k and out[2].tolist() == [-1] * k
+        assert out[1].tolist() == want + [-1] * (k - len(want)) and want
+    finally:
+        drafter.close()
