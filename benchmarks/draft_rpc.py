@@ -93,7 +93,7 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
     client = DraftClient(ClientSettings(address=f"tcp://127.0.0.1:{port}", timeout_ms=120000,
-                                        max_rows=8192, context_width=width, hidden_dtype=dtype,
+                                        propose_timeout_ms=120000, max_rows=8192, context_width=width, hidden_dtype=dtype,
                                         num_speculative_tokens=k,
                                         device_plane="auto" if path == "device" else "off")).start()
     assert client.state.value == "ready", client.state

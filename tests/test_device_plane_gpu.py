@@ -188,7 +188,8 @@ def test_server_killed_mid_step_fails_closed_frees_its_slots_and_reattaches(chec
         assert c.stats()["device_plane"]["attaches"] >= 2
         again = run(c, seed=13, prefix="n")
         assert all(x >= 0 for x in again[1][0] + again[1][1])          # drafting again, on the device path
-        assert c.server_stats()["device_plane"]["attached"] == 1        # the new server took the ring
+        plane = c.server_stats()["device_plane"]
+        assert plane["attached"] >= 1 and plane["sessions"] == 1        # the new server took the ring
     finally:
         c.close()
         srv.resume()

@@ -64,6 +64,7 @@ class Imported:
     width: int
     dtype: str
     pending: list[Fetch] = field(default_factory=list)
+    peer_stream: Any = None               # on the server's device, when the slots are on another
 
     @property
     def capacity(self) -> int:
@@ -83,6 +84,9 @@ class ServerDevicePlane:
             raise ValueError(f"device plane mode {mode!r}: allowed {list(MODES)}")
         self.mode = mode
         self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type == "cuda" and self.device.index is None \
+                and ipc.cuda_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.home_stream = home_stream          # the engine's stream: buffers it reads belong to it
         self.imports: dict[str, Imported] = {}
         self.parked: list[Fetch] = []
@@ -171,7 +175,11 @@ class ServerDevicePlane:
         with torch.cuda.stream(home):                 # the buffer belongs to the stream that will use it
             hidden = torch.empty((rows, imp.width), dtype=p.DTYPES[imp.dtype], device=dest)
         flags = torch.empty(rows, dtype=torch.bool, pin_memory=True)
-        out_stream = stream if dest == imp.device else torch.cuda.Stream(dest)
+        if dest.index == imp.device.index:            # one stream: wait, copy, release, check
+            out_stream = stream
+        else:                                         # peer: the copy runs on the slots' device's stream
+            imp.peer_stream = imp.peer_stream or torch.cuda.Stream(dest)
+            out_stream = imp.peer_stream
         with torch.cuda.stream(stream), torch.cuda.stream(out_stream):
             stream.wait_event(imp.ready[slot])       # on the device: the target wrote the slot
             if rows:

@@ -125,9 +125,19 @@ class DeviceRing:
         return i
 
     def before_write(self, i: int, stream: Any) -> None:
-        """The stream that writes slot ``i`` waits (on the device) until the server read it last."""
-        if self.released[i] is not None:
-            stream.wait_event(self.released[i])
+        """The stream that writes slot ``i`` waits (on the device) until the server read it last.
+        A read that has completed (the usual case: the server answers after its read) needs no
+        wait, and an event that cannot be queried any more (its server died) is never waited on."""
+        event = self.released[i]
+        if event is None:
+            return
+        try:
+            if event.query():
+                return
+        except RuntimeError:
+            self.released[i] = None
+            return
+        stream.wait_event(event)
 
     def written(self, i: int, stream: Any) -> None:
         self.ready[i].record(stream)
