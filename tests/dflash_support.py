@@ -61,10 +61,12 @@ class Mirror:
         del self.rows[state]
 
     def propose(self, states: list, anchors: list[int], k: int, logits: str = "full",
-                topk: int = 0) -> Proposal:
+                topk: int = 0, temperature=None, seeds=None) -> Proposal:
         return self.engine.propose(ProposeBatch(
             states=states, histories=[[0] * self.engine.length(s) for s in states],
-            anchors=torch.tensor(anchors, dtype=torch.long), k=k, logits=logits, topk=topk)).wait()
+            anchors=torch.tensor(anchors, dtype=torch.long), k=k, logits=logits, topk=topk,
+            temperature=None if temperature is None else torch.tensor(temperature, dtype=torch.float32),
+            seeds=None if seeds is None else torch.tensor(seeds, dtype=torch.int64))).wait()
 
     def check_lengths(self) -> None:
         for state, rows in self.rows.items():

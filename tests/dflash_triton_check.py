@@ -49,6 +49,16 @@ def kernels(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
         logits[2, cols - 1] = logits[2].max() + 1                      # in the last chunk
         assert torch.equal(ops_triton.argmax(logits), ops_torch.argmax(logits)), "argmax"
         assert int(ops_triton.argmax(logits)[1]) == 17
+    if device == "cpu":     # seeded Gumbel-max: the interpreter computes as PyTorch does (CUDA: test_dspark_gpu)
+        logits = torch.randn(6, 3000, generator=gen) * 3
+        temps = torch.tensor([0.0, 0.7, 1.3, 2.0, 0.0, 1.0])
+        seeds = torch.tensor([5, -3, 2**40 + 7, -(2**62), 0, 12345])
+        lens = torch.tensor([0, 9, 100, 7000, 3, 1], dtype=torch.int32)
+        for keys in (None, torch.arange(3000) * 3 + 1):
+            for step in (0, 2):
+                got = ops_triton.gumbel_argmax(logits, temps, seeds, lens, step, keys)
+                assert torch.equal(got, ops_torch.gumbel_argmax(logits, temps, seeds, lens, step, keys)), "gumbel"
+                assert torch.equal(got[temps == 0], logits[temps == 0].argmax(-1)), "gumbel at temperature 0"
     gu = rnd(5, 96)
     close(ops_triton.silu_mul(gu), ops_torch.silu_mul(gu), "silu_mul", dtype)
     for neox in (True, False):

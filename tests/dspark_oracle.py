@@ -6,6 +6,9 @@ projection, Qwen3 layers, Markov and confidence heads, vocabulary mapping) and t
 whose buffers are filled as vLLM's prepare kernel fills them. Stood in for, because this CPU
 build has no such kernels: the attention (SDPA over the captured context K/V plus the block,
 non-causal) and two custom ops (``rms_norm``, ``rotary_embedding``: vLLM's own native math).
+A step with temperatures and seeds runs the speculator's ``draft_sample_method: probabilistic``
+path: vLLM's own ``gumbel_sample`` kernel, loaded against the real Triton and run by its
+interpreter (this CPU build of vLLM stands Triton in with a placeholder).
 
 argv[1]: JSON list of jobs ``{draft, target, case, out, k}``; a case holds, per propose step
 ``s``, ``s{s}n`` requests with ``s{s}r{i}`` context rows and ``s{s}anchors``.
@@ -16,6 +19,7 @@ import sys
 from types import SimpleNamespace
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRITON_INTERPRET"] = "1"          # before anything imports triton
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402
@@ -46,6 +50,27 @@ from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator  #
 from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id  # noqa: E402
 
 from helpers.vllm_attention import captured, init_world, stand_in  # noqa: E402
+
+
+def interpreted_gumbel_sample():
+    """vLLM's ``gumbel_sample`` from its own source, with the real Triton (interpreted)."""
+    import importlib.util
+    import triton
+    import triton.language as tl
+    import vllm.triton_utils as tu
+    saved = tu.triton, tu.tl
+    tu.triton, tu.tl = triton, tl
+    try:
+        spec = importlib.util.find_spec("vllm.v1.worker.gpu.sample.gumbel")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        tu.triton, tu.tl = saved
+    return module.gumbel_sample
+
+
+import vllm.v1.worker.gpu.spec_decode.dspark.speculator as dspark_speculator  # noqa: E402
+dspark_speculator.gumbel_sample = interpreted_gumbel_sample()
 
 def build(vc, draft, target, dtype):
     with set_default_torch_dtype(dtype):
@@ -80,7 +105,21 @@ def speculator(model, hf, k, r, ids):
                            + torch.arange(k)[None]).flatten()
     spec.sample_idx_mapping = torch.arange(r).repeat_interleave(k)
     spec.sample_pos = torch.zeros(r * k, dtype=torch.int64)
+    spec._d2t_scatter_index = spec._draft_scatter_buf = None
     return spec, q
+
+
+def probabilistic(spec, model, hf, temperature, seeds, lengths):
+    """The speculator's buffers as ``draft_sample_method: probabilistic`` has them; the sampled
+    position of draft ``j`` is ``length + 1 + j`` (vLLM's prepare kernel, both layouts)."""
+    r, k = len(lengths), spec.num_speculative_steps
+    spec.draft_logits = torch.zeros(r, k, hf.vocab_size)
+    spec.temperature, spec.seeds, spec.use_fp64_gumbel = temperature, seeds, False
+    spec.sample_pos = (torch.tensor(lengths)[:, None] + 1 + torch.arange(k)[None]).flatten()
+    d2t = model.draft_id_to_target_id
+    if d2t is not None:
+        spec._d2t_scatter_index = torch.arange(d2t.shape[0]) + d2t
+        spec._draft_scatter_buf = torch.full((r, hf.vocab_size), float("-inf"))
 
 
 def run(job, dtype_name, first):
@@ -102,6 +141,9 @@ def run(job, dtype_name, first):
             spec, q = speculator(model, hf, k, n, None)
             ids = torch.tensor([[int(a)] + [mask] * (q - 1) for a in anchors.tolist()]).flatten()
             spec.input_buffers.input_ids = ids
+            if f"s{s}temperature" in case:
+                lengths = [case[f"s{s}r{i}"].shape[0] for i in range(n)]
+                probabilistic(spec, model, hf, case[f"s{s}temperature"], case[f"s{s}seeds"], lengths)
             hidden = []
             for i in range(n):
                 rows = case[f"s{s}r{i}"].to(dtype)

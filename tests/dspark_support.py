@@ -6,6 +6,9 @@ The scenario covers chunked prefill (an ingest-only chunk, then the rest with a 
 decode steps with partial acceptance (1 + accepted rows), a rewind (rows replaced from an
 earlier position), and a reconnect (a retained context forked at a shorter length). It keeps
 every request's accepted context rows itself, so the oracle recomputes each propose from scratch.
+With ``sampled``, each propose gives every request a temperature (0 for some: greedy in the same
+batch) and a seed (negative ones and ones past 32 bits too), and the oracle samples as vLLM's
+``draft_sample_method: probabilistic`` does (its own ``gumbel_sample``, run by Triton's interpreter).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from k3_accel.testing.tiny import write_tiny_target
 from k3_accel.testing.tiny_dspark import write_tiny_dspark
 
 K = 6
+TEMPERATURES = (0.0, 0.6, 1.0, 1.7, 3.0)
 WIDTH = 256                         # 2 aux layers x hidden 128
 ORACLE = Path(__file__).with_name("dspark_oracle.py")
 # name -> tiny_dspark_weights options: both layouts, with and without the confidence head
@@ -50,12 +54,15 @@ class Step:
     anchors: list[int]
     drafts: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+    temperature: list[float] | None = None
+    seeds: list[int] | None = None
 
 
 @dataclass
 class Scenario:
     driver: object
     seed: int = 0
+    sampled: bool = False
     rows: dict = field(default_factory=dict)
     tokens: dict = field(default_factory=dict)
     steps: list = field(default_factory=list)
@@ -73,9 +80,14 @@ class Scenario:
 
     def propose(self, items: list[tuple[str, int, int, int]]) -> None:
         spans = [(name, start, *self._new_rows(name, start, n), anchor) for name, start, n, anchor in items]
-        drafts, conf = self.driver.propose(spans, K)
+        temps = seeds = None
+        if self.sampled:
+            keys = [zlib.crc32(f"{self.seed}/{name}/{start}/sample".encode()) for name, start, *_ in items]
+            temps = [TEMPERATURES[key % len(TEMPERATURES)] for key in keys]
+            seeds = [(key << 31) - (1 << 62) + s for s, key in enumerate(keys)]    # both signs, > 32 bits
+        drafts, conf = self.driver.propose(spans, K, temps, seeds)
         self.steps.append(Step([self.rows[name].clone() for name, *_ in items], [a for *_, a in items],
-                               drafts, conf))
+                               drafts, conf, temps, seeds))
 
     def fork(self, src: str, dst: str, length: int) -> None:
         """``src`` leaves (its context retained); ``dst`` reconnects to its first ``length`` rows."""
@@ -110,9 +122,10 @@ class MirrorDriver:
     def ingest(self, items):
         self.m.ingest([(self._state(n), start, rows) for n, start, rows, _ in items])
 
-    def propose(self, spans, k):
+    def propose(self, spans, k, temperature=None, seeds=None):
         self.ingest([s[:4] for s in spans])
-        out = self.m.propose([self.states[s[0]] for s in spans], [s[4] for s in spans], k, logits="none")
+        out = self.m.propose([self.states[s[0]] for s in spans], [s[4] for s in spans], k, logits="none",
+                             temperature=temperature, seeds=seeds)
         return out.tokens.clone(), None if out.confidence is None else out.confidence.clone()
 
     def fork(self, src, dst, length, tokens):
@@ -126,6 +139,9 @@ def write_case(steps: list[Step], path: Path) -> None:
     for s, step in enumerate(steps):
         case[f"s{s}n"] = torch.tensor(len(step.contexts))
         case[f"s{s}anchors"] = torch.tensor(step.anchors)
+        if step.temperature is not None:
+            case[f"s{s}temperature"] = torch.tensor(step.temperature, dtype=torch.float32)
+            case[f"s{s}seeds"] = torch.tensor(step.seeds, dtype=torch.int64)
         for i, rows in enumerate(step.contexts):
             case[f"s{s}r{i}"] = rows.float()
     save_file(case, str(path))

@@ -5,7 +5,9 @@ a mapped vocabulary; the top-k Markov path), over chunked prefill, decode steps 
 acceptance, a rewind and a reconnect: the same drafts and confidence at every step in float32,
 and under the precision rule (``k3_accel.testing.precision``) in bfloat16. In process
 (``test_dspark_matches_vllm_module``) and through a real draft server over its socket
-(``test_dspark_drafts_match_in_tree``)."""
+(``test_dspark_drafts_match_in_tree``). Sampled drafting (``test_dspark_sampled_matches_in_tree``):
+per-request temperatures and seeds, against the speculator's probabilistic path and vLLM's own
+``gumbel_sample``: the same draws in float32, in process and over the socket."""
 from __future__ import annotations
 
 import pytest
@@ -49,6 +51,25 @@ def test_dspark_matches_vllm_module(ckpts, tmp_path):
         assert clear >= len(ours[name, "bfloat16"]) * 2, (name, clear)       # not vacuous
 
 
+def test_dspark_sampled_matches_in_tree(ckpts, tmp_path):
+    jobs, ours, greedy = [], {}, {}
+    for name, (draft, target) in ckpts.items():
+        engine = DSparkEngine(str(draft), str(target), dtype="float32", block_size=4, budget_bytes=1 << 20)
+        ours[name] = Scenario(MirrorDriver(Mirror(engine)), seed=3, sampled=True).run().steps
+        greedy[name] = Scenario(MirrorDriver(Mirror(engine)), seed=3).run().steps
+        jobs.append({"name": name, "draft": draft, "target": target, "steps": ours[name], "dir": tmp_path,
+                     "dtypes": ["float32"]})
+    for job, theirs in zip(jobs, run_oracle(jobs)):
+        name = job["name"]
+        check_fp32(ours[name], theirs, SHAPES[name]["confidence"])
+        differ = 0
+        for step, plain in zip(ours[name], greedy[name]):
+            cold = torch.tensor(step.temperature) == 0
+            assert torch.equal(step.drafts[cold], plain.drafts[cold])          # temperature 0 is greedy
+            differ += int((step.drafts[~cold] != plain.drafts[~cold]).sum())
+        assert differ > 0, name                                               # the hot requests sampled
+
+
 class WireDriver:
     """The same scenario through a draft server's socket (ingest, propose, free + reconnect)."""
 
@@ -62,10 +83,11 @@ class WireDriver:
         hidden = torch.cat([rows for _, _, rows, _ in items])
         self.wire.ingest([(self._h(n), start, toks) for n, start, _, toks in items], hidden=hidden).raise_for_error()
 
-    def propose(self, spans, k):
+    def propose(self, spans, k, temperature=None, seeds=None):
         hidden = torch.cat([s[2] for s in spans])
+        sampling = {} if temperature is None else {"temperature": temperature, "seeds": seeds}
         reply = self.wire.propose(k, [(self._h(n), start, toks, anchor) for n, start, _, toks, anchor in spans],
-                                  hidden=hidden).raise_for_error()
+                                  hidden=hidden, **sampling).raise_for_error()
         assert reply.failures == []
         conf = reply.tensors.get("confidence")
         return reply.tensors["drafts"].long().clone(), None if conf is None else conf.clone()
@@ -87,13 +109,17 @@ def test_dspark_drafts_match_in_tree(ckpts, tmp_path):
             caps = wire.caps
             assert caps.engine == "dspark" and caps.confidence == SHAPES[name]["confidence"]
             assert caps.draft["sample_from_anchor"] == SHAPES[name].get("sample_from_anchor", True)
-            assert not caps.supports_logits and caps.aux_layer_ids == [0, 2]
+            assert not caps.supports_logits and caps.aux_layer_ids == [0, 2] and caps.sampling
             ours[name] = Scenario(WireDriver(wire), seed=2).run().steps
+            wire.call(p.Clear()).raise_for_error()
+            ours[name, "sampled"] = Scenario(WireDriver(wire), seed=3, sampled=True).run().steps
             wire.call(p.Bye())
             wire.close()
         finally:
             assert server.stop() == 0
-        jobs.append({"name": name, "draft": draft, "target": target, "steps": ours[name], "dir": tmp_path,
-                     "dtypes": ["float32"]})
+        for key in (name, (name, "sampled")):
+            jobs.append({"name": "-".join(key) if isinstance(key, tuple) else key, "key": key, "draft": draft,
+                         "target": target, "steps": ours[key], "dir": tmp_path, "dtypes": ["float32"]})
     for job, theirs in zip(jobs, run_oracle(jobs)):
-        check_fp32(ours[job["name"]], theirs, SHAPES[job["name"]]["confidence"])
+        name = job["key"][0] if isinstance(job["key"], tuple) else job["key"]
+        check_fp32(ours[job["key"]], theirs, SHAPES[name]["confidence"])

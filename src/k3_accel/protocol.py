@@ -7,6 +7,8 @@ as raw frames, in a fixed order with shapes implied by the header:
 
 - ``ingest``  ``meta int64 [n, 3]`` (handle, start, count) | ``tokens int64 [rows]`` | ``hidden [rows, width]``
 - ``propose`` ``meta int64 [n, 4]`` (handle, start, count, anchor) | ``tokens`` | ``hidden``
+  [| ``temperature float32 [n]`` | ``seeds int64 [n]`` with ``sampling``: each request's
+  sampling temperature (0 = greedy) and seed; only to a server whose hello says ``sampling``]
 - ``reconnect`` ``tokens int64 [length]``
 
 On the device plane (``slot >= 0``, agreed by ``attach``) a row message carries no
@@ -122,6 +124,7 @@ class Propose(_Msg, tag="propose"):
     logits: str = "none"         # none | full | topk
     topk: int = 0
     slot: int = -1               # as Ingest.slot
+    sampling: bool = False       # + temperature and seeds frames (a server with Caps.sampling)
 
 
 class Free(_Msg, tag="free"):
@@ -229,6 +232,7 @@ class Caps(msgspec.Struct, frozen=True, kw_only=True):
     share_requests: int = 0              # active requests it was guaranteed at hello
     draft: dict[str, Any] = {}           # the draft model's facts a target's draft config must match (DSpark)
     confidence: bool = False             # propose replies carry ``confidence`` [n, k] float32
+    sampling: bool = False               # proposes may carry temperatures and seeds (sampled drafts)
     device_plane: DeviceOffer = msgspec.field(default_factory=DeviceOffer)
     protocol: int = PROTOCOL_VERSION
 
@@ -294,6 +298,8 @@ class Request(msgspec.Struct):
     meta: Optional[np.ndarray] = None
     tokens: Optional[np.ndarray] = None
     hidden: Optional[torch.Tensor] = None
+    temperature: Optional[np.ndarray] = None   # [n] float32, finite, >= 0 (propose with sampling)
+    seeds: Optional[np.ndarray] = None         # [n] int64
     fetch: Any = None            # server side: the device-plane read of its rows (server/device_plane.py)
 
     @property
@@ -388,6 +394,11 @@ def _version_message(version: Any) -> str:
             f"{', '.join(map(str, SUPPORTED_VERSIONS))} (upgrade the client: pip install -U k3-accel)")
 
 
+def sampling(msg: Any) -> bool:
+    """A propose that carries temperatures and seeds."""
+    return isinstance(msg, Propose) and msg.sampling
+
+
 def _attach_frames(req: Request, frames: Sequence[Any], max_bytes: int) -> Request:
     msg = req.msg
     if isinstance(msg, ROW_OPS):
@@ -397,7 +408,7 @@ def _attach_frames(req: Request, frames: Sequence[Any], max_bytes: int) -> Reque
             raise ProtocolError(ErrorCode.BAD_FIELD, "n, rows and width must be >= 0, slot >= -1")
         if device and not msg.hidden:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{req.op}.slot: a device slot needs the hidden dtype")
-        want = 3 if msg.hidden and not device else 2
+        want = (3 if msg.hidden and not device else 2) + 2 * sampling(msg)
         if len(frames) != want:
             raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"{req.op} needs {want} frames, got {len(frames)}")
         if msg.hidden and msg.hidden not in HIDDEN_DTYPES:
@@ -408,6 +419,11 @@ def _attach_frames(req: Request, frames: Sequence[Any], max_bytes: int) -> Reque
         req.tokens = frame_array(frames[1], np.int64, (msg.rows,), "tokens")
         if msg.hidden and not device:
             req.hidden = frame_tensor(frames[2], DTYPES[msg.hidden], (msg.rows, msg.width), "hidden")
+        if sampling(msg):
+            req.temperature = frame_array(frames[-2], np.float32, (msg.n,), "temperature")
+            req.seeds = frame_array(frames[-1], np.int64, (msg.n,), "seeds")
+            if not (np.isfinite(req.temperature) & (req.temperature >= 0)).all():
+                raise ProtocolError(ErrorCode.BAD_FIELD, "temperature: every value must be finite and >= 0")
     elif isinstance(msg, Attach):
         if frames:
             raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"attach takes no frames, got {len(frames)}")

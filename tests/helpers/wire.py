@@ -98,5 +98,9 @@ def _rows(op, spans, hidden, **kw):
     if hidden is not None:
         frames.append(p.tensor_frame(hidden.contiguous()))
         kw.update(hidden=p.dtype_name(hidden.dtype), width=int(hidden.shape[1]))
+    temperature, seeds = kw.pop("temperature", None), kw.pop("seeds", None)
+    if temperature is not None:                       # a sampled propose: two more frames
+        frames += [np.asarray(temperature, dtype=np.float32).data, ints(seeds)]
+        kw["sampling"] = True
     args = (kw.pop("k"), len(spans), len(tokens)) if op is p.Propose else (len(spans), len(tokens))
     return (op(*args, **kw), *frames)

@@ -41,6 +41,8 @@ class RowMessage:
     k: int = 0
     logits: str = "none"
     topk: int = 0
+    temperature: np.ndarray | None = None   # [n] float32 (propose with sampling)
+    seeds: np.ndarray | None = None         # [n] int64
     nonfinite: np.ndarray | None = None   # [rows] device-plane rows: checked on the device when read
 
     @property
@@ -68,6 +70,7 @@ def check_message(req: p.Request, caps: EngineCaps) -> RowMessage:
     if isinstance(msg, p.Propose):
         _check_propose(msg, caps)
         out.anchors, out.k, out.logits, out.topk = meta[:, 3], msg.k, msg.logits, msg.topk
+        out.temperature, out.seeds = req.temperature, req.seeds
     return out
 
 
@@ -94,6 +97,8 @@ def _check_propose(msg: p.Propose, caps: EngineCaps) -> None:
         raise ProtocolError(ErrorCode.UNSUPPORTED, f"engine {caps.kind} returns no logits")
     if msg.logits == "topk" and not (caps.supports_topk and msg.topk > 0):
         raise ProtocolError(ErrorCode.UNSUPPORTED, f"engine {caps.kind}: top-k needs supports_topk and topk > 0")
+    if msg.sampling and not caps.sampling:
+        raise ProtocolError(ErrorCode.UNSUPPORTED, f"engine {caps.kind} drafts greedily (no sampling)")
     if msg.logits == "topk" and caps.vocab_size and msg.topk > caps.vocab_size:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"topk={msg.topk} exceeds the vocabulary ({caps.vocab_size})")
 

@@ -67,6 +67,7 @@ class DraftService:
             pool_blocks=engine.pool.num_blocks,
             pool_bytes=engine.pool.num_blocks * engine.pool.block_rows * engine.bytes_per_row,
             lease_s=lease_s, fair_share=True, draft=dict(c.draft), confidence=c.confidence,
+            sampling=c.sampling,
             device_plane=self.plane.offer)
         store.on_gave_back = lambda session, kind: metrics.gave_back(session.name, kind)
         self._handlers: dict[type, Callable] = {
@@ -200,9 +201,16 @@ class DraftService:
     def _run_engine(self, group: list[_Job], k: int, logits: str, topk: int) -> Proposal:
         states = [s for job in group for s in job.admitted.states]
         anchors = np.concatenate([job.rows.anchors[job.admitted.index] for job in group])
+        temperature = seeds = None
+        if any(job.rows.temperature is not None for job in group):    # greedy where a message has none
+            pick = [(job.rows.temperature, job.rows.seeds, job.admitted.index) for job in group]
+            temperature = torch.from_numpy(np.concatenate(
+                [np.zeros(len(i), np.float32) if t is None else t[i] for t, _, i in pick]))
+            seeds = torch.from_numpy(np.concatenate([np.zeros(len(i), np.int64) if s is None else s[i]
+                                                     for _, s, i in pick]))
         return self.engine.propose(ProposeBatch(
             [s.engine_state for s in states], [s.history for s in states], torch.from_numpy(anchors),
-            k, logits, topk))
+            k, logits, topk, temperature, seeds))
 
     def _propose_reply(self, job: _Job, result: tuple[Proposal, int] | None) -> Reply:
         if job.error is not None:

@@ -48,6 +48,7 @@ class EngineCaps:
     aux_layer_ids: tuple[int, ...] = field(default_factory=tuple)   # target layers, ascending
     draft: dict[str, Any] = field(default_factory=dict)   # what the target's draft config must match
     confidence: bool = False       # replies carry per-draft confidence
+    sampling: bool = False         # drafts sampled with each request's temperature and seed
 
 
 @dataclass
@@ -75,13 +76,21 @@ class ProposeBatch:
     ``[anchors[i], mask * k]`` right after its context. ``histories[i]`` holds
     its context token ids (positions ``0..length-1``). ``logits``: "none",
     "full" ([R, k, V]) or "topk" (``topk`` largest per draft position, selected
-    on the engine's device)."""
+    on the engine's device). ``temperature`` / ``seeds`` (engines with ``caps.sampling``):
+    each request's sampling temperature (0: greedy) and seed; None: every request greedy."""
     states: list[Any]
     histories: list[Sequence[int]]
     anchors: torch.Tensor              # [R] int64, CPU, each 0 <= a < vocab_size
     k: int
     logits: str = "none"
     topk: int = 0
+    temperature: torch.Tensor | None = None   # [R] float32, CPU, finite, >= 0
+    seeds: torch.Tensor | None = None         # [R] int64, CPU
+
+    @property
+    def sampled(self) -> bool:
+        """Whether any request samples (host data: no device read)."""
+        return self.temperature is not None and bool((self.temperature != 0).any())
 
 
 @dataclass

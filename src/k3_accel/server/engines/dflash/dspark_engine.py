@@ -9,9 +9,11 @@ rows from the anchor, else DFlash's ``1 + k``) and the drafts come from the
 sequential Markov head (:mod:`.dspark_model`), with per-draft confidence when
 the checkpoint has a confidence head (sent back in the reply as ``confidence``).
 
-Drafts are greedy, as vLLM drafts with ``draft_sample_method`` greedy; draft
-logits are not offered (the Markov head makes each position's distribution
-depend on the drafted prefix).
+Drafts are greedy, as vLLM drafts with ``draft_sample_method`` greedy, or, for the
+requests of a batch that carry a temperature and a seed, sampled as vLLM 0.33 samples
+them with ``probabilistic`` (:mod:`.gumbel`: the same draws for the same seed). Draft
+logits are not offered (the Markov head makes each position's distribution depend on the
+drafted prefix).
 """
 from __future__ import annotations
 
@@ -48,6 +50,12 @@ class DSparkEngine(DFlashEngine):
         engine._build(weights, **options)
         return engine
 
+    def _build(self, weights: DFlashWeights, **options: Any) -> None:
+        if weights.d2t is not None:            # the Gumbel noise is keyed by target ids
+            self.heads.target_ids = torch.arange(weights.d2t.shape[0], device=weights.device) + \
+                weights.d2t.to(weights.device, torch.int64)
+        super()._build(weights, **options)
+
     def _caps(self, block_size: int, max_spec_tokens: int | None) -> EngineCaps:
         cfg: DSparkConfig = self.config
         limit = cfg.max_k
@@ -59,7 +67,7 @@ class DSparkEngine(DFlashEngine):
             max_spec_tokens=limit if max_spec_tokens is None else min(max_spec_tokens, limit),
             block_size=block_size, vocab_size=cfg.vocab_size, hidden_size=cfg.target_hidden_size,
             mask_token_id=cfg.mask_token_id, aux_layer_ids=tuple(cfg.target_layer_ids),
-            draft=signature, confidence=self.heads.confidence_w is not None)
+            draft=signature, confidence=self.heads.confidence_w is not None, sampling=True)
 
     def _workspace_bytes(self, max_batch: int) -> int:
         cfg = self.config
@@ -83,7 +91,11 @@ class DSparkEngine(DFlashEngine):
         r, k = len(batch.states), batch.k
         width = max(1, max(len(s.blocks) for s in batch.states))
         buf = self.host_inputs(anchors, batch.states, r, width).to(self.device, non_blocking=True)
-        ids, conf = self.drafts(self.device_batch(buf, r, width, k))
+        block = self.device_batch(buf, r, width, k)
+        if batch.sampled:
+            block.temperature = batch.temperature.to(self.device, torch.float32, non_blocking=True)
+            block.seeds = batch.seeds.to(self.device, torch.int64, non_blocking=True)
+        ids, conf = self.drafts(block)
         return Proposal(ids.cpu(), confidence=None if conf is None else conf.cpu())
 
     def _empty(self, r: int, k: int, batch: ProposeBatch) -> Proposal:

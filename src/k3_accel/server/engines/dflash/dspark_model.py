@@ -1,17 +1,20 @@
-"""DSpark's sequential stage over the DFlash backbone, greedy and on the device.
+"""DSpark's sequential stage over the DFlash backbone, on the device.
 
 After :func:`.model.block_hidden` (one parallel pass over each request's query
 block), the Markov head drafts left to right exactly as vLLM 0.33's
-``DSparkSpeculator._sample_sequential`` does with greedy drafting:
+``DSparkSpeculator._sample_sequential`` does:
 
     base = lm_head(h) * logit_scale                      (draft vocabulary, [R, k, dV])
     prev = anchor                                        (a target id)
     for i in 0..k-1:
         e_i = markov_w1[prev]                            ([R, r])
         logits_i = base[:, i] + markov_w2(e_i) * logit_scale
-        draft_i = map_draft_to_target(argmax(logits_i)); prev = draft_i
+        draft_i = map_draft_to_target(pick(logits_i)); prev = draft_i
     confidence = sigmoid(proj([h_i | e_i]))              (float32; [h_i] without the Markov input)
 
+``pick`` is the argmax (greedy drafting), or, when the batch carries temperatures and
+seeds (vLLM's ``draft_sample_method: probabilistic``), the seeded Gumbel-max sample of
+:mod:`.gumbel` keyed as vLLM keys draft ``i`` (argmax where a request's temperature is 0).
 With ``dspark_draft_topk`` the bias is added only to the top-k base logits (every other
 entry -inf), as ``_sample_sequential_topk`` does. No host synchronisation: the loop is
 capturable in a CUDA graph.
@@ -35,8 +38,8 @@ def to_target(fw: FusedWeights, ids: torch.Tensor) -> torch.Tensor:
 
 def dspark_drafts(fw: FusedWeights, heads: DSparkHeads, ops: Any, kv: torch.Tensor, batch: BlockBatch,
                   splits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Greedy target ids ``[R, k]`` int64 and, with a confidence head, their float32
-    confidence ``[R, k]`` (else None)."""
+    """Target ids ``[R, k]`` int64 (greedy, or sampled when ``batch.temperature`` is set) and,
+    with a confidence head, their float32 confidence ``[R, k]`` (else None)."""
     cfg: DSparkConfig = fw.config
     r, k, scale = batch.anchors.shape[0], batch.k, cfg.logit_scale
     h = block_hidden(fw, ops, kv, batch, splits)                        # [R*k, H], (request, step)
@@ -60,7 +63,11 @@ def dspark_drafts(fw: FusedWeights, heads: DSparkHeads, ops: Any, kv: torch.Tens
             corrected = values[:, i].unsqueeze(-1).clone()
             corrected.baddbmm_(w, e.unsqueeze(-1), beta=1.0, alpha=scale)
             logits = dense.fill_(float("-inf")).scatter(1, index[:, i], corrected.squeeze(-1))
-        prev = to_target(fw, ops.argmax(logits).view(r))
+        if batch.temperature is None:
+            pick = ops.argmax(logits)
+        else:
+            pick = ops.gumbel_argmax(logits, batch.temperature, batch.seeds, batch.ctx_lens, i, heads.target_ids)
+        prev = to_target(fw, pick.view(r))
         drafts.append(prev)
     ids = torch.stack(drafts, dim=1)
     if heads.confidence_w is None:

@@ -29,6 +29,7 @@ class DSparkHeads:
     markov_w2: torch.Tensor                      # [draft_V, r], model dtype
     confidence_w: torch.Tensor | None = None     # [1, H (+ r)], float32
     confidence_b: torch.Tensor | None = None     # [1], float32
+    target_ids: torch.Tensor | None = None       # [draft_V] int64: each draft id's target id (set by the engine)
 
 
 def head_shapes(cfg: DSparkConfig) -> dict[str, tuple[int, ...]]:

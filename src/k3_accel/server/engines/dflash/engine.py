@@ -281,7 +281,7 @@ class DFlashEngine(DraftEngine):
         tokens = None
         with self._on_device():
             if batch.logits == "none" and self.graphs is not None:
-                tokens = self.graphs.run(anchors, batch.states, k)
+                tokens = self.graphs.run(anchors, batch.states, k, batch)
             if tokens is not None:
                 out = Proposal(tokens[0], ready=tokens[1], confidence=tokens[2])
             else:

@@ -1,9 +1,10 @@
-"""CUDA graphs of the greedy propose step, one per (batch bucket, draft tokens).
+"""CUDA graphs of the propose step, one per (batch bucket, draft tokens).
 
 A graph reads one static int32 input buffer (anchors, context lengths, block
 tables ``[bucket, width]``, padded: see :meth:`DFlashEngine.host_inputs`) and
-writes ``[bucket, k]`` draft ids. A replay is one host-to-device copy from a
-pinned buffer, the replay, one device-to-host copy of the ids into pinned
+writes ``[bucket, k]`` draft ids; an engine that samples (``caps.sampling``: DSpark) also
+reads each row's temperature (0: greedy, the draft is the argmax) and seed. A replay is one
+host-to-device copy from a pinned buffer, the replay, one device-to-host copy of the ids into pinned
 memory and an event after it: whoever needs the ids waits on that event, the
 step's only host synchronisation (the server reads its socket meanwhile). Graphs
 share one memory pool and are captured largest bucket first.
@@ -11,7 +12,7 @@ share one memory pool and are captured largest bucket first.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
@@ -30,6 +31,8 @@ class _Graph:
     inputs: torch.Tensor      # device int32 buffer the graph reads
     tokens: torch.Tensor      # device [bucket, k] int64 the graph writes
     confidence: torch.Tensor | None = None   # device [bucket, k] float32 (engines with confidence)
+    temperature: torch.Tensor | None = None  # device [bucket] float32 (engines that sample)
+    seeds: torch.Tensor | None = None        # device [bucket] int64
 
 
 class GraphRunner:
@@ -50,6 +53,10 @@ class GraphRunner:
         self.host_out = torch.zeros(top * max(1, kmax), dtype=torch.int64, pin_memory=True)
         self.host_conf = (torch.zeros(top * max(1, kmax), dtype=torch.float32, pin_memory=True)
                           if eng.caps.confidence else None)
+        self.host_temp = self.host_seeds = None
+        if eng.caps.sampling:
+            self.host_temp = torch.zeros(top, dtype=torch.float32, pin_memory=True)
+            self.host_seeds = torch.zeros(top, dtype=torch.int64, pin_memory=True)
         self.done = torch.cuda.Event()
 
     def reset(self) -> None:
@@ -63,6 +70,9 @@ class GraphRunner:
         for bucket in reversed(self.buckets):
             inputs = torch.zeros(bucket * (2 + self.width), dtype=torch.int32, device=eng.device)
             batch = eng.device_batch(inputs, bucket, self.width, k)
+            if self.host_temp is not None:
+                batch.temperature = torch.zeros(bucket, dtype=torch.float32, device=eng.device)
+                batch.seeds = torch.zeros(bucket, dtype=torch.int64, device=eng.device)
             with eng._on_device():                     # warm up: Triton JIT, cuBLAS plans
                 eng.drafts(batch)
             eng.stream.synchronize()
@@ -71,14 +81,15 @@ class GraphRunner:
                                   capture_error_mode="thread_local"):
                 out = eng.drafts(batch)
             tokens, confidence = out if isinstance(out, tuple) else (out, None)
-            self.graphs[(bucket, k)] = _Graph(graph, inputs, tokens, confidence)
+            self.graphs[(bucket, k)] = _Graph(graph, inputs, tokens, confidence, batch.temperature, batch.seeds)
         self.captured_k.add(k)
 
-    def run(self, anchors: torch.Tensor, states: list[BlockTable], k: int
+    def run(self, anchors: torch.Tensor, states: list[BlockTable], k: int, batch: Any = None
             ) -> tuple[torch.Tensor, torch.cuda.Event, torch.Tensor | None] | None:
         """Draft ids ``[R, k]`` in pinned host memory, the event after which they are
         there and their confidence (or None), or None when no graph fits (the caller runs
-        the step eagerly). Valid until the next call. Call on the engine's stream."""
+        the step eagerly). ``batch``: the ``ProposeBatch`` (its temperatures and seeds).
+        Valid until the next call. Call on the engine's stream."""
         r = len(states)
         bucket = next((b for b in self.buckets if b >= r), None)
         if bucket is None or max(len(s.blocks) for s in states) > self.width:
@@ -89,6 +100,14 @@ class GraphRunner:
         n = bucket * (2 + self.width)
         self.engine.host_inputs(anchors, states, bucket, self.width, out=self.host_in[:n].numpy())
         g.inputs.copy_(self.host_in[:n], non_blocking=True)
+        if g.temperature is not None:
+            temp, seeds = self.host_temp[:bucket], self.host_seeds[:bucket]
+            temp.zero_()
+            if batch is not None and batch.temperature is not None:
+                temp[:r] = batch.temperature
+                seeds[:r] = batch.seeds
+            g.temperature.copy_(temp, non_blocking=True)
+            g.seeds.copy_(seeds, non_blocking=True)
         g.graph.replay()
         out = self.host_out[:bucket * k].view(bucket, k)
         out.copy_(g.tokens, non_blocking=True)

@@ -107,6 +107,8 @@ class BlockBatch:
     tables: torch.Tensor              # [R, W] int32: block ids (entries past a context unread)
     k: int
     from_anchor: bool = False
+    temperature: torch.Tensor | None = None   # [R] float32 (DSpark sampling; None: greedy)
+    seeds: torch.Tensor | None = None         # [R] int64
 
     @property
     def rows(self) -> int:

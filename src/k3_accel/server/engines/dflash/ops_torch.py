@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import gumbel
 from .config import DFlashConfig
 
 
@@ -61,6 +62,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of the first maximum of each row of ``x [N, V]`` (int64)."""
     return x.argmax(dim=-1)
+
+
+def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, ctx_lens: torch.Tensor,
+                  step: int, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Seeded Gumbel-max sample of draft step ``step`` (:mod:`.gumbel`): indices ``[N]`` int64."""
+    return gumbel.sample(x, temperature, gumbel.step_seeds(seeds, step),
+                         ctx_lens.to(torch.int64) + (step + gumbel.SALT), keys)
 
 
 def store_context(kv_proj: torch.Tensor, k_norms: torch.Tensor, cos_sin: torch.Tensor,
