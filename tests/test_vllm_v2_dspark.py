@@ -81,27 +81,28 @@ def _aux(positions) -> torch.Tensor:
                      dim=1).to(torch.bfloat16)
 
 
-def _two_steps(spec, sim):
+def _two_steps(spec, sim, **sampling):
     """A prefill that samples, then a verify step accepting 1 of 4: what the engine must have seen."""
     a, b = [5, 6, 7, 8, 9, 10, 11], [40, 41, 42]
     sim.add("a", a)
     sim.add("b", b)
-    first = sim.propose(spec, [Sched("a", 0, a, sampled=12), Sched("b", 0, b, sampled=43)]).clone()
+    first = sim.propose(spec, [Sched("a", 0, a, sampled=12), Sched("b", 0, b, sampled=43)], **sampling).clone()
     conf1 = spec.draft_token_confidence_probs[:2].clone()
     second = sim.propose(spec, [Sched("a", 7, [12, 1, 2, 3, 4], sampled=9, rejected=3, drafts=4),
-                                Sched("b", 3, [43], sampled=44)]).clone()
+                                Sched("b", 3, [43], sampled=44)], **sampling).clone()
     conf2 = spec.draft_token_confidence_probs[:2].clone()
     return [(first, conf1, [(0, 7, 12), (0, 3, 43)]), (second, conf2, [(7, 2, 9), (3, 1, 44)])]
 
 
-def _engine_says(models, name, steps):
+def _engine_says(models, name, steps, temperature=None, seeds=None):
     """The DSpark engine in process over the same rows: (drafts, confidence) per step."""
     m = Mirror(DSparkEngine(str(models[name]), str(models["target"]), block_size=4, budget_bytes=1 << 20))
     states = [m.new(), m.new()]
     out = []
     for spans in steps:
         m.ingest([(s, start, _aux(range(start, start + n))) for s, (start, n, _) in zip(states, spans)])
-        p = m.propose(states, [anchor for *_, anchor in spans], K, logits="none")
+        p = m.propose(states, [anchor for *_, anchor in spans], K, logits="none", temperature=temperature,
+                      seeds=seeds)
         out.append((p.tokens, p.confidence))
     return out
 
@@ -123,6 +124,34 @@ def test_v2_dspark_goes_remote(models, config, world, monkeypatch):
             for (drafts, _, _), (tokens, _) in zip(got, want):
                 assert drafts.tolist() == tokens.tolist()
             assert len(set(got[0][0].reshape(-1).tolist())) > 1          # not degenerate
+        finally:
+            spec.close()
+    finally:
+        assert server.stop() == 0
+
+
+def test_v2_dspark_samples_with_the_requests_seeds(models, world, monkeypatch):
+    """``draft_sample_method: probabilistic``: each request's temperature and seed (the runner's
+    sampling state, by slot) reach the server, whose drafts are the engine's sampled ones for them."""
+    cfg = _config(models["target"], models["dspark"], adaptive=False)
+    cfg.speculative_config.draft_sample_method = "probabilistic"
+    server, sim = _server(models, "dspark"), Sim()
+    temperature = torch.tensor([1.3, 0.0, 0.7, 2.0] * (sim.max_num_reqs // 4 + 1))[:sim.max_num_reqs]
+    seeds = torch.arange(sim.max_num_reqs, dtype=torch.int64) * 7_919_000_013 - 2**40
+    try:
+        spec = _speculator(cfg, server.address, sim, monkeypatch)
+        try:
+            assert spec.sample_drafts and client_stats(spec)["state"] == "ready"
+            got = _two_steps(spec, sim, temperature=temperature, seeds=seeds)
+            slots = [sim.req_states.req_id_to_index[r] for r in ("a", "b")]
+            per_request = dict(temperature=temperature[slots].tolist(), seeds=seeds[slots].tolist())
+            assert per_request["temperature"][0] > 0
+            spans = [spans for *_, spans in got]
+            want = _engine_says(models, "dspark", spans, **per_request)
+            greedy = _engine_says(models, "dspark", spans)
+            for (drafts, _, _), (tokens, _) in zip(got, want):
+                assert drafts.tolist() == tokens.tolist()
+            assert any(d.tolist() != g.tolist() for (d, _, _), (g, _) in zip(got, greedy))   # it sampled
         finally:
             spec.close()
     finally:

@@ -244,11 +244,12 @@ class Sim:
         return {k: v for k, v in fields.items() if k in names}
 
     def propose(self, speculator, sched: Sequence[Sched], k: int | None = None, aux: bool = True,
-                **kw) -> torch.Tensor:
+                temperature: torch.Tensor | None = None, seeds: torch.Tensor | None = None, **kw) -> torch.Tensor:
+        """``temperature`` / ``seeds``: the runner's sampling state by slot (default: greedy, 0)."""
         ib, aux_states, num_sampled, num_rejected = self.batch(sched, aux)
         rs = self.req_states
-        temperature = torch.zeros(self.max_num_reqs)
-        seeds = torch.zeros(self.max_num_reqs, dtype=torch.int64)
+        temperature = torch.zeros(self.max_num_reqs) if temperature is None else temperature
+        seeds = torch.zeros(self.max_num_reqs, dtype=torch.int64) if seeds is None else seeds
         last_hidden = torch.zeros(ib.num_tokens, HIDDEN, dtype=self.hidden_dtype)
         return speculator.propose(ib, {}, {}, last_hidden, aux_states, num_sampled, num_rejected,
                                   rs.last_sampled_tokens, rs.next_prefill_tokens, temperature, seeds,

@@ -115,8 +115,8 @@ class RemoteSpeculatorMixin:
     supports_mm_inputs = False
     num_query_per_req = 1
     num_extra_query_per_req = 0
-    # None: the rejection sampler treats drafts as point masses, which is exact
-    # for the server's greedy drafts whatever the target's temperature.
+    # None: the rejection sampler treats drafts as point masses, which is exact whatever
+    # the drafts and the target's temperature (no draft logits cross the wire).
     draft_logits = None
     # -1 ("no draft") must not reach the runner: see fill_missing
     fill_missing_drafts = True
@@ -156,10 +156,15 @@ class RemoteSpeculatorMixin:
                       self.disabled)
             self.core.close()
         self._finalizer = weakref.finalize(self, self.core.close)
-        method = getattr(spec, "draft_sample_method", "greedy")
-        if method != "greedy":
-            log.info("k3-accel: draft_sample_method=%s: the draft server drafts greedily, so drafts are "
-                     "verified as point masses (exact; acceptance may be lower than with draft logits)", method)
+        # draft_sample_method "probabilistic": the runner's per-request temperatures and seeds go
+        # with each propose and a server that offers sampling (DSpark) draws as vLLM does in-tree
+        self.sample_drafts = getattr(spec, "draft_sample_method", "greedy") == "probabilistic"
+        self._sampling: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.sample_drafts:
+            log.info("k3-accel: draft_sample_method=probabilistic: a DSpark server samples the drafts with "
+                     "each request's temperature and seed as vLLM does in-tree (others draft greedily); they "
+                     "are verified as point masses (exact; no draft logits cross the wire, so acceptance is "
+                     "lower than in-tree, and usually than greedy drafts)")
 
     # ------------------------------------------------------- runner hooks
     def init_cudagraph_manager(self, cudagraph_mode: Any) -> None:
@@ -189,6 +194,7 @@ class RemoteSpeculatorMixin:
         runs return -1 throughout (the runner discards them).
         """
         r = int(input_batch.num_reqs)
+        self._sampling = (temperature, seeds) if self.sample_drafts else None
         out = self.drafts[:r]
         out.fill_(-1)
         self._confidence[:r].zero_()
@@ -231,7 +237,8 @@ class RemoteSpeculatorMixin:
         try:
             step = launch(self.rows, self.slots, input_batch, aux if session.ships_hidden else None,
                           num_sampled, num_rejected, last_sampled, next_prefill_tokens, keep, k,
-                          history_rows(input_batch, keep, fresh), self._token_rows(), session.settings.timeout_s)
+                          history_rows(input_batch, keep, fresh), self._token_rows(), session.settings.timeout_s,
+                          self._sampling if k > 0 else None)
             return session.pipeline.submit(step, propose=k > 0)
         except Exception:  # noqa: BLE001 - fail closed
             self.core.failures.record("step_input", "launching the step's context")

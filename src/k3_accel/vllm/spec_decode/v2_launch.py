@@ -9,7 +9,9 @@ only the GPU knows yet: how many rows of each verify block were accepted
 1. on the compute stream, the kept requests' valid rows are scattered into
    this engine's own device buffers, compacted request after request
    (rejected and skipped rows go to a dump row); per request a small
-   ``meta`` column (valid rows, sampled, anchor token, first position);
+   ``meta`` column (valid rows, sampled, anchor token, first position, and when the
+   drafts are sampled the request's temperature (its float32 bits) and seed, read by
+   slot from the runner's sampling state as vLLM's own speculator reads them);
 2. on a side stream, those buffers are copied into a pinned launch slot;
    the event that completes with the copy is waited on by the draft thread
    (:mod:`.pipeline`), which then reads the meta and builds the step input.
@@ -31,7 +33,7 @@ import torch
 from k3_accel.transport.api import StepInput
 from k3_accel.transport.staging import pinning_available
 
-META_ROWS = 4           # valid rows, sampled, anchor token, first position
+META_ROWS = 6           # valid rows, sampled, anchor token, first position, temperature bits, seed
 
 
 class LaunchSlots:
@@ -95,6 +97,7 @@ class Launch:
     ready: Any = None                 # CUDA event, or None (already there)
     width: int = 0
     prompts: dict[str, torch.Tensor] = field(default_factory=dict)   # token rows of requests to attach
+    sampled: bool = False             # meta carries temperatures and seeds
     _released: bool = False
 
     def wait_ready(self) -> None:
@@ -110,7 +113,7 @@ class Launch:
         """The step's input from the pinned slot (call after :meth:`wait_ready`)."""
         meta = self.slots.meta[self.slot].numpy()[:, : self.num_reqs]
         keep = self.keep
-        valid, sampled, anchors, first = (meta[j, keep] for j in range(META_ROWS))
+        valid, sampled, anchors, first, temp_bits, seeds = (meta[j, keep] for j in range(META_ROWS))
         if (valid < 1).any():
             bad = int(np.flatnonzero(valid < 1)[0])
             raise ValueError(f"request {self.req_ids[keep[bad]]!r}: no valid context row this step")
@@ -122,6 +125,8 @@ class Launch:
             positions=torch.from_numpy(positions), token_ids=self.slots.token_ids[self.slot][:total],
             sampled=(sampled > 0).tolist(), anchor_tokens=anchors.copy(), anchor_positions=first + valid,
             k=self.k, hidden=hidden[:total] if hidden is not None and self.width else None,
+            temperature=temp_bits.astype(np.int32).view(np.float32) if self.sampled else None,
+            seeds=seeds.copy() if self.sampled else None,
             prompt_token_ids={rid: t[:int(f)] for rid, t, f in self._prompt_rows(first)} or None)
 
     def _prompt_rows(self, first: np.ndarray):
@@ -146,12 +151,14 @@ def samples_host(input_batch: Any, r: int) -> np.ndarray:
 def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence[torch.Tensor] | None,
            num_sampled: torch.Tensor, num_rejected: torch.Tensor, last_sampled: torch.Tensor,
            next_prefill_tokens: torch.Tensor, keep: np.ndarray, k: int, prompts: dict[str, tuple[int, int]],
-           all_token_ids: torch.Tensor | None, slot_timeout: float) -> Launch:
+           all_token_ids: torch.Tensor | None, slot_timeout: float,
+           sampling: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
     """Launch the step's copies (see the module docstring); no host read of device data.
 
     ``prompts``: request id -> (batch index, tokens) of token-id rows to copy for requests the
     transport must attach (prefix-cache hits, requests that draft again), read from
-    ``all_token_ids`` (vLLM's ``[max_reqs, max_model_len]`` by slot).
+    ``all_token_ids`` (vLLM's ``[max_reqs, max_model_len]`` by slot). ``sampling``: the runner's
+    ``(temperature [max_reqs] float32, seeds [max_reqs] int64)`` by slot, for sampled drafts.
     """
     r = int(input_batch.num_reqs)
     qsl_np = np.asarray(input_batch.query_start_loc_np[: r + 1], dtype=np.int64)
@@ -181,6 +188,10 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
                     nxt.index_select(0, slot_idx).to(torch.int64), out=meta[2])
         positions = input_batch.positions[0] if input_batch.positions.dim() == 2 else input_batch.positions
         meta[3].copy_(positions.index_select(0, qsl[:-1]))
+        if sampling is not None:
+            temperature, seeds = sampling
+            meta[4].copy_(temperature.index_select(0, slot_idx).to(torch.float32).view(torch.int32))
+            meta[5].copy_(seeds.index_select(0, slot_idx))
         if n:
             at = rows.rows[:n]
             req = torch.searchsorted(qsl[1:], at, right=True).clamp_(max=r - 1)
@@ -203,7 +214,7 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
         ready = _copy_out(rows, slots, slot, r, n, compute, bool(aux))
         return Launch(list(input_batch.req_ids[:r]), np.asarray(keep, dtype=np.int64), k, r, slots, slot,
                       ready=ready, width=int(rows.hidden.shape[1]) if (aux and rows.hidden is not None) else 0,
-                      prompts=prompt_rows)
+                      prompts=prompt_rows, sampled=sampling is not None)
     except BaseException:
         slots.release(slot)
         raise
