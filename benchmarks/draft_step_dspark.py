@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import platform
 import sys
@@ -113,6 +114,8 @@ def main() -> None:
                 table.append({"B": b, "K": k, "context": c, "propose_ms": ms, "sampled_ms": sampled_ms,
                               "eager_ms": eager_ms, "floor_ms": 1e3 * floor, "ratio": worst / (1e3 * floor)})
                 print(table[-1], flush=True)
+                if args.out:                   # what a run cut short by its time limit still leaves
+                    Path(args.out + ".partial").write_text(json.dumps(table, indent=1) + "\n")
 
     main_points = [r for r in table if r["K"] == 7 and r["context"] == contexts[0] and r["B"] in (1, 8, 32)]
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
