@@ -32,6 +32,8 @@ class FakeTarget:
         self.given = {r: 0 for r in self.ids}
         self.asked: list[np.ndarray] = []
         self.accept = lambda step, i, j: False          # draft j (0-based) of request i accepted?
+        self.stall = lambda step: 0.0                    # extra seconds of a step (a JIT compile, a GC pause)
+        self.prefill = lambda step: 0                    # rows of a request mid-prefill in this step
 
     def step(self, n: int) -> list[np.ndarray]:
         """``n`` decode steps; returns the drafts per request handed to vLLM each step."""
@@ -45,12 +47,16 @@ class FakeTarget:
                     acc += 1
                 counts.append(1 + acc)
                 tokens += 1 + g
-            self.now += self.fixed + self.per_token * tokens  # the forward of this step
-            inp = StepInput(self.ids, counts, torch.zeros(sum(counts), dtype=torch.int64),
-                            torch.zeros(sum(counts), dtype=torch.int64), [True] * self.batch,
-                            [0] * self.batch, [1] * self.batch, k=K)
+            pre = self.prefill(len(self.asked))
+            tokens += pre
+            self.now += self.fixed + self.per_token * tokens + self.stall(len(self.asked))  # this step's forward
+            ids, counts, sampled = self.ids + ["prefill"] * (pre > 0), counts + [pre] * (pre > 0), \
+                [True] * self.batch + [False] * (pre > 0)
+            inp = StepInput(ids, counts, torch.zeros(sum(counts), dtype=torch.int64),
+                            torch.zeros(sum(counts), dtype=torch.int64), sampled,
+                            [0] * len(ids), [1] * len(ids), k=K)
             res = self.c.step(inp, self._server)
-            got = (res.drafts >= 0).sum(dim=1).numpy()
+            got = (res.drafts[:self.batch] >= 0).sum(dim=1).numpy()
             self.asked.append(got)
             self.given = dict(zip(self.ids, got.tolist()))
             out.append(got)
@@ -101,6 +107,21 @@ def test_min_k_keeps_speculation_on():
     t = FakeTarget(Controller(ControllerSettings(k_max=K, k_min=2)), batch=4)
     t.accept = lambda step, i, j: False
     assert all(d.min() >= 2 for d in t.step(60))
+
+
+@pytest.mark.parametrize("stalled", [(3,), (2, 5, 9)])
+def test_warm_up_stalls_do_not_turn_a_paying_draft_off(stalled):
+    """A GPU engine's first steps stall on kernel compiles (seconds, on vLLM's own JIT), some of
+    them steps with a long prompt's chunk: those periods say nothing about what a token costs,
+    and a draft that pays keeps drafting."""
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=32)), batch=16,
+                   fixed=0.004, per_token=0.00001)
+    t.accept = lambda step, i, j: j < 4                       # four of seven drafts accepted, always
+    t.stall = lambda step: 1.5 if step in stalled else 0.0
+    t.prefill = lambda step: 128 if step < 10 and step % 2 == 0 else 0
+    after = t.step(60)[12:]
+    assert sum(1 for d in after if d.sum() == 0) == 0         # never off
+    assert np.mean([d.mean() for d in after]) >= 4            # and drafting what is accepted
 
 
 def test_controller_same_on_every_tp_rank():

@@ -14,8 +14,8 @@ noticed. Everything it uses is measured:
 * **acceptance per position**, per request, smoothed toward a global estimate
   (itself starting from ``prior``): from the valid rows the target kept of the
   drafts this controller handed out the step before;
-* **the target step's time** as ``a + b * tokens`` (decaying least squares over
-  the step periods it sees, the draft wait taken out);
+* **the target step's time** as ``a + b * tokens`` (a robust line, Theil-Sen, over
+  the last step periods it sees, the draft wait taken out; stalls left out);
 * **the draft round trip**: how long the steps that proposed waited.
 
 With survival ``s_ij`` (request ``i``'s first ``j`` drafts all accepted) the
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -102,37 +102,65 @@ class Acceptance:
 
 
 class StepCost:
-    """``T(tokens) = a + b * tokens`` by decaying least squares; the draft wait ``D`` by EWMA."""
+    """``T(tokens) = a + b * tokens`` by Theil-Sen over the last ``window`` step periods (the
+    median of the pairwise slopes, then the median intercept); the draft wait ``D`` by EWMA.
+
+    Robust to stalls (a kernel compile on a GPU engine's first steps, a GC pause): a few
+    periods hundreds of times too long move a median little, and once a few steps are measured
+    a period over ``stall_factor`` times the fit's prediction is not taken at all (``stalls``).
+    A least-squares fit, even a decaying one, lets one such period hold speculation off for
+    dozens of steps. Until steps of different sizes are seen, a token's marginal cost is taken
+    as 1/8 of the average token's.
+    """
+
+    window = 24
+    stall_factor = 4.0
+    min_steps = 4
 
     def __init__(self, s: ControllerSettings):
         self.s = s
-        self.n = 0.0                     # decayed count; running means and co-moments (stable updates)
-        self.mx = self.my = self.cxx = self.cxy = 0.0
+        self.x: deque[float] = deque(maxlen=self.window)     # tokens of each measured step
+        self.y: deque[float] = deque(maxlen=self.window)     # its period (seconds)
         self.round_trip: float | None = None
+        self.stalls = 0
+        self._line: tuple[float, float] | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.x)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        w = self.s.decay
-        self.n = self.n * w + 1.0
-        dx = tokens - self.mx
-        self.mx += dx / self.n
-        self.my += (seconds - self.my) / self.n
-        self.cxx = self.cxx * w + dx * (tokens - self.mx)
-        self.cxy = self.cxy * w + dx * (seconds - self.my)
+        if self.n >= self.min_steps:
+            a, b = self.line()
+            if seconds > self.stall_factor * (a + b * tokens) > 0:
+                self.stalls += 1
+                return
+        self.x.append(float(tokens))
+        self.y.append(float(seconds))
+        self._line = None
 
     def observe_round_trip(self, seconds: float) -> None:
         self.round_trip = seconds if self.round_trip is None else 0.8 * self.round_trip + 0.2 * seconds
 
     def line(self) -> tuple[float, float]:
-        """``(a, b)``; until steps of different sizes were seen, a token's marginal cost is taken
-        as 1/8 of the average token's."""
-        if self.n < 1e-9:
+        """``(a, b)``, both >= 0."""
+        if self._line is None:
+            self._line = self._fit()
+        return self._line
+
+    def _fit(self) -> tuple[float, float]:
+        if not self.x:
             return 0.0, 0.0
-        if self.cxx > 1e-6 * self.n * max(self.mx, 1.0):
-            b = self.cxy / self.cxx
+        x, y = np.asarray(self.x), np.asarray(self.y)
+        i, j = np.triu_indices(len(x), k=1)
+        dx = x[j] - x[i]
+        ok = dx != 0
+        if ok.any():
+            b = float(np.median((y[j] - y[i])[ok] / dx[ok]))
         else:
-            b = self.my / max(self.mx, 1.0) / 8
+            b = float(np.median(y)) / max(float(np.median(x)), 1.0) / 8
         b = max(b, 0.0)
-        return max(self.my - b * self.mx, 0.0), b
+        return max(float(np.median(y - b * x)), 0.0), b
 
 
 class Controller:
@@ -239,7 +267,7 @@ class Controller:
                 "acceptance_per_position": [round(float(x), 4) for x in self.acceptance.global_rate()],
                 "step_ms": {"fixed": round(a * 1e3, 4), "per_token": round(b * 1e3, 6)},
                 "round_trip_ms": None if self.cost.round_trip is None else round(self.cost.round_trip * 1e3, 4),
-                **self.counters}
+                "stalled_steps": self.cost.stalls, **self.counters}
 
 
 def _best_prefix(surv: np.ndarray, batch: int, a: float, b: float, base: float, rt: float,
