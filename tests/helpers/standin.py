@@ -58,7 +58,9 @@ def dev(t: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def no_host_sync():
-    """Inside: this thread's host reads of ``Dev`` tensors and CUDA synchronise calls raise."""
+    """Inside: this thread's host reads of ``Dev`` tensors and CUDA synchronise calls raise; on
+    a GPU torch's sync check is set to raise too (it catches implicit syncs: a "non_blocking"
+    D2H copy into memory that is not densely laid out, ``.item()``, ...)."""
     me = threading.get_ident()
 
     def refuse(*_a, **_k):
@@ -68,11 +70,17 @@ def no_host_sync():
     patches = [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")]
     saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
     _watched.add(me)
+    cuda = torch.cuda.is_available()
+    mode = torch.cuda.get_sync_debug_mode() if cuda else 0
     try:
         for obj, name in patches:
             setattr(obj, name, refuse)
+        if cuda:
+            torch.cuda.set_sync_debug_mode("error")
         yield
     finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(mode)
         _watched.discard(me)
         for obj, name, value in saved:
             setattr(obj, name, value)

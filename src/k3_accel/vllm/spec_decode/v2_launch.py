@@ -227,7 +227,10 @@ def _to_device(host: np.ndarray, dev: torch.device) -> torch.Tensor:
 
 def _copy_out(rows: DeviceRows, slots: LaunchSlots, slot: int, r: int, n: int, compute: Any,
               hidden: bool) -> Any:
-    pairs = [(slots.meta[slot][:, :r], rows.meta[:, :r]), (slots.token_ids[slot][:n], rows.token_ids[:n])]
+    # every pair densely laid out on both sides: a column slice of the meta (``[:, :r]``) is
+    # not, and torch then makes the "non_blocking" D2H copy synchronous (vLLM's sync check
+    # caught it on the H200); the whole meta is META_ROWS x max_reqs int64, a few KiB
+    pairs = [(slots.meta[slot], rows.meta), (slots.token_ids[slot][:n], rows.token_ids[:n])]
     if hidden and rows.hidden is not None:
         pairs.append((slots.hidden[slot][:n], rows.hidden[:n]))
     if compute is None:
