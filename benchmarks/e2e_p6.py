@@ -87,6 +87,7 @@ def start_server(target: str, draft: str, control: Path, log: Path, shape: str =
            "--device", device, "--dtype", "bfloat16" if device == "cuda" else "float32", "--num-speculative-tokens", str(K),
            "--memory-budget-mb", "8192", "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http)]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    SPARE.add(proc.pid)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -126,11 +127,51 @@ def spec_counters(llm) -> dict:
     return out
 
 
+WATCHDOG_S = 90.0      # a generate of at most 32 x 128 tokens takes seconds; past this it is stuck
+SPARE: set[int] = set()  # child pids the watchdog leaves alive (the draft server)
+
+
+def _stuck(seconds: float) -> None:
+    """The watchdog: every thread's stack here and, through benchmarks/gpu/stacks/sitecustomize.py,
+    in every child (vLLM's engine core, the draft server); then the engine core is killed so
+    that generate raises and the run goes on to what is left."""
+    import faulthandler
+    import signal
+    print(f"WATCHDOG: generate made no progress for {seconds:.0f} s; stacks follow", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(all_threads=True)
+    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
+                                               text=True).stdout.split()]
+    for pid in children:
+        if _catches_usr1(pid):          # never a signal that would kill it
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(5)
+    for pid in children:
+        if pid not in SPARE:
+            os.kill(pid, signal.SIGKILL)
+
+
+def _catches_usr1(pid: int) -> bool:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> 9 & 1)     # SIGUSR1 = 10
+    except OSError:
+        pass
+    return False
+
+
 def generate(llm, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+    import threading
     from vllm import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    watchdog = threading.Timer(WATCHDOG_S, _stuck, args=(WATCHDOG_S,))
+    watchdog.daemon = True
+    watchdog.start()
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        watchdog.cancel()
     return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -207,7 +248,10 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
         _oracle_counts(doc, Path(f"{control}.counts.jsonl"), work)
         out["drafter"] = _drafter_stats(llm)
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as exc:  # noqa: BLE001 - an engine the watchdog killed
+            print(f"shutdown: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         del llm
 
 
