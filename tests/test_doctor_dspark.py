@@ -32,8 +32,8 @@ def server(models):
     assert srv.stop() == 0
 
 
-def doctor(address: str, target, draft, k: int = 4) -> subprocess.CompletedProcess:
-    spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": k}
+def doctor(address: str, target, draft, k: int = 4, **spec_extra) -> subprocess.CompletedProcess:
+    spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": k, **spec_extra}
     cmd = [sys.executable, "-m", "k3_accel.cli", "doctor", address, "--model", str(target),
            "--speculative-config", json.dumps(spec), "--timeout-ms", "20000", "--max-num-seqs", "8"]
     return subprocess.run(cmd, env=src_env(), capture_output=True, text=True, timeout=300)
@@ -44,6 +44,14 @@ def test_a_fitting_dspark_server_gets_a_yes(server, models):
     run = doctor(server.address, target, anchor)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "engine dspark" in run.stdout and "VERDICT: vLLM would draft with this server." in run.stdout
+
+
+def test_probabilistic_drafting_is_reported(server, models):
+    target, anchor, _ = models
+    run = doctor(server.address, target, anchor, draft_sample_method="probabilistic")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "the server samples each request's drafts with its temperature and seed" in run.stdout
+    assert "probabilistic" not in doctor(server.address, target, anchor).stdout
 
 
 def test_a_dspark_server_with_another_layout_is_a_failure_naming_both(server, models):

@@ -93,7 +93,8 @@ def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[h
                                       SimpleNamespace(hf_config=SimpleNamespace(**draft))))) if spec.get("model") else {})
     spec_ns = SimpleNamespace(method=method, draft_model_config=SimpleNamespace(architectures=archs),
                               draft_heads=int(draft.get("num_attention_heads", 0)) if spec.get("model") else 0,
-                              draft_tp=spec.get("draft_tensor_parallel_size"))
+                              draft_tp=spec.get("draft_tensor_parallel_size"),
+                              draft_sample_method=spec.get("draft_sample_method", "greedy"))
     return needs, spec_ns
 
 
@@ -137,6 +138,7 @@ def diagnose(address: str, needs: handshake.TargetNeeds, spec: Any, *, max_batch
     try:
         _check(client, needs, max_batched_tokens, report)
         if report.ok:
+            _sampling(spec, client.caps, report)
             _time(client, needs, round_trips, report)
     finally:
         client.close()
@@ -172,6 +174,19 @@ def _check(client, needs: handshake.TargetNeeds, max_batched_tokens: int, report
     _fair_share(caps, report)
     if caps.needs_hidden_states:
         _device_plane(client, report)
+
+
+def _sampling(spec: Any, caps, report: Report) -> None:
+    """What ``draft_sample_method: probabilistic`` gets from this server."""
+    if getattr(spec, "draft_sample_method", "greedy") != "probabilistic":
+        return
+    if caps.sampling:
+        report.note("draft_sample_method probabilistic: the server samples each request's drafts with its "
+                    "temperature and seed as vLLM does in-tree; vLLM verifies them as point masses (exact; "
+                    "lower acceptance than in-tree, usually than greedy drafts)")
+    else:
+        report.note(f"draft_sample_method probabilistic: engine {caps.engine} drafts greedily; the drafts are "
+                    f"verified as point masses (exact)")
 
 
 def _test_ring(needs: handshake.TargetNeeds):
