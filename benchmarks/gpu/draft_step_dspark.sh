@@ -10,11 +10,11 @@ export PYTHONPATH=$PWD/src:$PWD/tests:$PWD/benchmarks PYTHONUNBUFFERED=1
 start=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-timeout "${BENCH_TIMEOUT:-130}" python3 benchmarks/draft_step_dspark.py --out "$OUT/draft-step-dspark-h200.json" \
+timeout "${BENCH_TIMEOUT:-110}" python3 benchmarks/draft_step_dspark.py --out "$OUT/draft-step-dspark-h200.json" \
     > "$OUT/bench.log" 2>&1
 echo "benchmark rc=$? after $((SECONDS - start)) s"
 grep -E "^\{|Error|error|\"ratio\"" "$OUT/bench.log" | tail -40
-timeout "${TEST_TIMEOUT:-80}" python3 -m pytest -q -x --noconftest -p no:cacheprovider \
+timeout "${TEST_TIMEOUT:-100}" python3 -m pytest -q -x --noconftest -p no:cacheprovider \
     tests/test_dspark_gpu.py > "$OUT/gpu-tests.log" 2>&1
 echo "dspark gpu tests rc=$? after $((SECONDS - start)) s"
 tail -25 "$OUT/gpu-tests.log"
