@@ -14,7 +14,7 @@ timeout "${BENCH_TIMEOUT:-110}" python3 benchmarks/draft_step_dspark.py --out "$
     > "$OUT/bench.log" 2>&1
 echo "benchmark rc=$? after $((SECONDS - start)) s"
 grep -E "^\{|Error|error|\"ratio\"" "$OUT/bench.log" | tail -40
-timeout "${TEST_TIMEOUT:-100}" python3 -m pytest -q -x --noconftest -p no:cacheprovider \
+timeout "${TEST_TIMEOUT:-100}" python3 -m pytest -q --noconftest -p no:cacheprovider \
     tests/test_dspark_gpu.py > "$OUT/gpu-tests.log" 2>&1
 echo "dspark gpu tests rc=$? after $((SECONDS - start)) s"
 tail -25 "$OUT/gpu-tests.log"
