@@ -44,15 +44,19 @@ def test_a_late_older_signal_never_takes_a_step_back():
     ({"k3_accel": {"draft_address": "tcp://127.0.0.1:5557"}}, {}, 1),        # remote: the draft's TP is moot
     ({"k3_accel": {"draft_address": "tcp://127.0.0.1:5557"}}, {"draft_tensor_parallel_size": 2}, 2),
 ])
-def test_draft_tp_is_set_only_for_a_remote_draft_the_user_left_unset(monkeypatch, extra, spec_extra, expected):
+def test_draft_tp_is_set_only_for_a_remote_draft_the_user_left_unset(monkeypatch, tmp_path, extra, spec_extra,
+                                                                     expected):
     from vllm.engine.arg_utils import EngineArgs
 
     from k3_accel.vllm.spec_decode.hooks import _wrap_create_spec
     monkeypatch.delenv(ADDRESS_ENV, raising=False)
     seen: list[dict] = []
     create = _wrap_create_spec(lambda self, *a, **k: seen.append(dict(self.speculative_config)))
-    spec = {"method": "dflash", "model": "/models/draft", "num_speculative_tokens": 4, **spec_extra}
-    args = EngineArgs(model="/models/target", speculative_config=dict(spec), additional_config=extra or {})
+    # existing directories: with HF_HUB_OFFLINE (set by other tests' imports) vLLM resolves the paths
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    target.mkdir(), draft.mkdir()
+    spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 4, **spec_extra}
+    args = EngineArgs(model=str(target), speculative_config=dict(spec), additional_config=extra or {})
     create(args)
     assert seen[-1].get("draft_tensor_parallel_size") == expected
     assert {k: v for k, v in seen[-1].items() if k != "draft_tensor_parallel_size"} == \
