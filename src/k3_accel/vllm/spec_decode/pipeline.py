@@ -12,14 +12,24 @@ It hands this thread work in step order:
 * :meth:`DraftPipeline.call` — anything else (frees, stats, a V1 step whose
   input is already on the host), run in order and awaited.
 
+A watchdog bounds what the GPU can be made to wait: when a submitted step's
+fence value is still not signalled ``stall_s`` after its submission (longer
+than any wait the draft thread takes on its own: its transport deadlines are
+shorter), it logs every thread's stack once (where it is stuck), releases the
+fence for good and closes the pipeline: remote drafting is off for this
+engine, its output unchanged (the drafts then read are verified like any).
+
 The client is started on this thread too, so an unreachable server never
 delays the runner's construction.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import queue
+import sys
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -40,7 +50,7 @@ class DraftPipeline:
     """Owns ``client`` (a started-on-demand :class:`~k3_accel.transport.client.DraftClient`)."""
 
     def __init__(self, client: Any, fence: Any, max_reqs: int, k: int, on_failure: Callable[[str, str], None],
-                 start_wait_s: float = 1.0, controller: Any = None):
+                 start_wait_s: float = 1.0, controller: Any = None, stall_s: float | None = None):
         self.client = client
         self.controller = controller
         self.fence = fence
@@ -55,6 +65,11 @@ class DraftPipeline:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="k3-draft", daemon=True)
         self._thread.start()
+        self._pending: dict[int, float] = {}          # fence value -> when submitted (monotonic)
+        self._lock = threading.Lock()
+        self.stalled = False
+        if stall_s is not None:
+            threading.Thread(target=self._watch, args=(stall_s,), name="k3-draft-watchdog", daemon=True).start()
         self.call(lambda c: c.start(start_wait_s), wait=False)
 
     # ------------------------------------------------------------ step thread
@@ -68,6 +83,8 @@ class DraftPipeline:
         if propose:
             self._seq += 1
             seq = self._seq
+            with self._lock:
+                self._pending[seq] = time.monotonic()
         self._jobs.put((lambda client: self._step(launch, seq), None))
         return seq
 
@@ -81,8 +98,11 @@ class DraftPipeline:
 
     def call(self, fn: Callable[[Any], Any], wait: bool = True, timeout: float | None = None) -> Any:
         """Run ``fn(client)`` on the draft thread after everything queued; its result (or
-        exception) when ``wait``."""
+        exception) when ``wait``. On a closed pipeline a call not waited for is dropped (the
+        step thread's frees and link upkeep must never raise into vLLM)."""
         if self._closed:
+            if not wait:
+                return None
             raise PipelineClosed("the draft thread is closed")
         done = threading.Event() if wait else None
         box: list = []
@@ -173,6 +193,29 @@ class DraftPipeline:
             launch.release()
             if seq is not None:
                 self.fence.signal(seq)
+                with self._lock:
+                    self._pending.pop(seq, None)
+
+    def _watch(self, stall_s: float) -> None:
+        """The watchdog (see the module docstring)."""
+        while not self._closed:
+            time.sleep(min(0.5, stall_s / 4))
+            with self._lock:
+                oldest = min(self._pending.items(), key=lambda kv: kv[0], default=None)
+            if oldest is None or time.monotonic() - oldest[1] < stall_s:
+                continue
+            self.stalled = True
+            log.error("k3-accel: the draft thread has not finished step %d after %.1f s; the GPU is released "
+                      "and remote drafting is off for this engine (output unchanged). Every thread's stack "
+                      "follows on stderr.", oldest[0], stall_s)
+            try:
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            except Exception:  # noqa: BLE001 - diagnosis only
+                pass
+            self.on_failure("stalled", f"draft thread stuck in step {oldest[0]}")
+            self._closed = True
+            self.fence.close()
+            return
 
 
 __all__ = ["DraftPipeline", "PipelineClosed"]

@@ -155,7 +155,8 @@ class RemoteDraftSession:
             self.settings = settings = client_settings(vllm_config, self.facts, device if device_rows else None)
             self.pipeline = DraftPipeline(DraftClient(settings), make_fence(device), self.facts.max_num_seqs,
                                           self.facts.num_speculative_tokens, self._thread_failure,
-                                          controller=make_controller(from_vllm(vllm_config), self.facts))
+                                          controller=make_controller(from_vllm(vllm_config), self.facts),
+                                          stall_s=2 * settings.timeout_s + 5.0)
             log.info("k3-accel: remote drafting via %s (method=%s, K=%d, context width %d)",
                      settings.address, self.facts.method, self.facts.num_speculative_tokens,
                      self.facts.context_width)
