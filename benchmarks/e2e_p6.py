@@ -139,15 +139,34 @@ def _stuck(seconds: float) -> None:
     import signal
     print(f"WATCHDOG: generate made no progress for {seconds:.0f} s; stacks follow", file=sys.stderr, flush=True)
     faulthandler.dump_traceback(all_threads=True)
-    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
-                                               text=True).stdout.split()]
+    children = _descendants(os.getpid())          # vLLM's engine core is a grandchild (its process manager)
     for pid in children:
         if _catches_usr1(pid):          # never a signal that would kill it
             os.kill(pid, signal.SIGUSR1)
     time.sleep(5)
     for pid in children:
-        if pid not in SPARE:
-            os.kill(pid, signal.SIGKILL)
+        if pid not in SPARE and not SPARE & set(_ancestors(pid)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    kids = [int(p) for p in out]
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = []
+    while pid > 1:
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+        chain.append(pid)
+    return chain
 
 
 def _catches_usr1(pid: int) -> bool:
