@@ -290,9 +290,9 @@ def _stats_on_worker(worker):
 
 
 def _speedups(doc: dict, name: str) -> dict:
+    """``{length: {B: speed-up}}`` of a variant, measured or read back from JSON (string keys)."""
     v = doc["variants"].get(name, {})
-    return {str(L): {str(b): v[str(L)][b]["speedup"] for b in BATCHES if b in v.get(str(L), {})}
-            for L in LENGTHS if str(L) in v}
+    return {str(L): {str(b): e["speedup"] for b, e in v[str(L)].items()} for L in LENGTHS if str(L) in v}
 
 
 def summary(doc: dict, machine: str) -> dict:

@@ -14,6 +14,9 @@ Plots (an input that is missing, or lacks the needed key, is named and skipped; 
   lane.
 * ``allreduce-h200x2.png`` from ``allreduce-h200x2.json`` (``rows``): all-reduce time against
   size for NCCL, the b12x DMA ring (eager and CUDA-graph replay) and the router.
+* ``e2e-h200.png`` from ``e2e-h200.json`` (``summary.speedup``, and ``speedup_adaptive`` when
+  present: ``{length: {B: speed-up}}``): end-to-end speed-up in vLLM against batch size, one
+  line per mean acceptance length, with the goals and 1.0 marked.
 
 Not run by CI or the tests. Not part of the installed package.
 """
@@ -145,6 +148,31 @@ def allreduce(data: dict, path: Path) -> None:
     _save(fig, path)
 
 
+def e2e(data: dict, path: Path) -> None:
+    summary = data.get("summary", {})
+    runs = [(name, summary.get(key) or {}) for name, key in (("K=7", "speedup"), ("adaptive", "speedup_adaptive"))]
+    if not any(runs[0][1].values()):
+        raise Skip("no summary.speedup")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (name, table), style in zip(runs, ("-o", "--s")):
+        for length, by_b in sorted(table.items(), key=lambda kv: float(kv[0])):
+            pts = sorted((int(b), v) for b, v in by_b.items())
+            if pts:
+                ax.plot([b for b, _ in pts], [v for _, v in pts], style, label=f"{name}, acceptance length {length}")
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.plot([1, 32], [2.5, 2.0], "k:", label="goal at length 4 (B=1: 2.5, B=32: 2.0)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([1, 8, 32])
+    ax.set_xticklabels(["1", "8", "32"])
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("tokens/s with remote drafting / without")
+    ax.set_title(f"vLLM 0.33 V2, Qwen3-8B shape, oracle DFlash on the same GPU\n{_title(data)}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
 def _save(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -155,6 +183,7 @@ PLOTS: list[tuple[str, str, Callable[[dict, Path], None]]] = [
     ("draft-step-h200.json", "draft-step-h200.png", draft_step),
     ("ingest-h200.json", "ingest-timeline-h200.png", ingest_timeline),
     ("allreduce-h200x2.json", "allreduce-h200x2.png", allreduce),
+    ("e2e-h200.json", "e2e-h200.png", e2e),
 ]
 
 
