@@ -35,7 +35,7 @@ VLLM_MUTANTS = (
            "vllm/spec_decode/pipeline.py",
            "                if rows is not None:\n                    rows.fill_(-1)\n                    self.confidence",
            "                if rows is not None:\n                    self.confidence",
-           ("tests/test_vllm_v2_propose.py",)),
+           ("tests/test_pipeline_reply.py", "tests/test_vllm_v2_propose.py")),
     Mutant("fence-close-holds", "a closed fence releases every wait, now and later", "vllm/spec_decode/fence.py",
            "    def close(self) -> None:\n        self.signal(_RELEASED)", "    def close(self) -> None:\n        pass",
            ("tests/test_vllm_rules.py",)),
