@@ -328,3 +328,31 @@ def _all(rank, world):
 @pytest.fixture(scope="module")
 def group():
     return run_ranks(_all, 2, env=ENV, timeout=600)
+
+
+def _op_alone(rank, world):
+    """The op on a TP group of one rank (TP=1, or a pipeline-parallel stage alone)."""
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    from k3_accel.vllm.tp import custom_op
+
+    custom_op.install()
+    coord = GroupCoordinator(group_ranks=[[0]], local_rank=0, torch_distributed_backend="gloo",
+                             use_device_communicator=False, group_name="tp")
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    y = torch.ops.vllm.k3_all_reduce(x, coord.unique_name)
+    res = {"same_values": torch.equal(y, x), "shares_memory": y.untyped_storage().data_ptr()
+           == x.untyped_storage().data_ptr(), "world": coord.world_size}
+    y.add_(100.0)                                  # the caller owns the result: the input is untouched
+    res["input_after"] = x.flatten().tolist()
+    coord.destroy()
+    return res
+
+
+def test_custom_op_at_world_size_one_returns_a_new_tensor():
+    """A custom op may not return an alias of its input (Inductor and CUDA graphs reuse buffers on
+    that promise): alone in its group, k3_all_reduce returns a copy, never the input itself."""
+    (res,) = run_ranks(_op_alone, 1, env=ENV, timeout=300)
+    assert res["world"] == 1
+    assert res["same_values"] and not res["shares_memory"]
+    assert res["input_after"] == [float(i) for i in range(12)]
