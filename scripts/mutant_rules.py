@@ -97,7 +97,7 @@ FIRST_RULE_MUTANTS = (
            '_Setting("curve_server_key", "VLLM_K3_DRAFT_CURVE_SERVER_KEY"',
            '_Setting("curve_server_key", "VLLM_K3_DRAFT_CURVE_CLIENT_KEY"',
            ("tests/test_transport_settings.py",)),
-    Mutant("other-version-bad-field", "a peer of another version gets BAD_VERSION", "protocol.py",
+    Mutant("other-version-bad-field", "a peer of another version gets BAD_VERSION", "protocol/messages.py",
            "        if version is not None and version != PROTOCOL_VERSION:", "        if False:",
            ("tests/test_protocol.py",)),
     Mutant("doctor-always-yes", "doctor exits 0 only when vLLM would draft", "doctor.py",

@@ -1,38 +1,9 @@
-"""The target <-> draft-server wire protocol, version 2: columnar batches.
-
-A request is a multipart ZMQ message. Frame 0 is a msgpack array
-``[v, seq, msg]`` where ``msg`` is one of the tagged, array-encoded message
-structs below (decoded and type-checked by msgspec); the op's tensors follow
-as raw frames, in a fixed order with shapes implied by the header:
-
-- ``ingest``  ``meta int64 [n, 3]`` (handle, start, count) | ``tokens int64 [rows]`` | ``hidden [rows, width]``
-- ``propose`` ``meta int64 [n, 4]`` (handle, start, count, anchor) | ``tokens`` | ``hidden``
-  [| ``temperature float32 [n]`` | ``seeds int64 [n]`` with ``sampling``: each request's
-  sampling temperature (0 = greedy) and seed; only to a server whose hello says ``sampling``]
-- ``reconnect`` ``tokens int64 [length]``
-
-On the device plane (``slot >= 0``, agreed by ``attach``) a row message carries no
-``hidden`` frame: its rows sit in the target's shared device slot ``slot``, and
-``meta`` gets one more column, the slot row of each request's first row.
-
-Request ``i`` owns the next ``count`` rows, which sit at positions
-``start .. start+count-1``; a propose's anchor sits at ``start + count``.
-Requests are integer *handles* chosen by the client (never reused within its
-session); their state lives in the namespace of the session the client
-declared in ``hello``. ``hidden`` is empty when the header's ``hidden`` is "".
-
-A reply is ``[v, seq, ok, server_id, error, failures, result, tensors]``
-(:class:`ReplyHeader`) plus raw frames listed in ``tensors`` as
-``[name, dtype, shape]``. ``failures`` lists ``[i, code, message]`` for the
-requests of a batch that failed on their own; the others succeeded.
-A version-1 peer gets ``BAD_VERSION`` in version-1 framing.
-"""
+"""The request messages (tagged, array-encoded msgspec structs), what a server offers at
+hello (:class:`Caps`), and requests encoded, decoded and checked: the one validator of what
+a server accepts (see :mod:`k3_accel.protocol` for the wire)."""
 from __future__ import annotations
 
-import math
 import re
-import warnings
-from enum import Enum
 from typing import Any, Optional, Sequence, Union
 
 import msgpack
@@ -40,58 +11,9 @@ import msgspec
 import numpy as np
 import torch
 
-PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS = (2,)
-DEFAULT_MAX_MESSAGE_BYTES = 2 << 30  # 2 GiB
-
-
-class ErrorCode(str, Enum):
-    BAD_FRAME = "BAD_FRAME"                  # frame 0 is not a message
-    BAD_VERSION = "BAD_VERSION"
-    UNKNOWN_OP = "UNKNOWN_OP"
-    BAD_FIELD = "BAD_FIELD"                  # missing / extra / mistyped field
-    FRAME_MISMATCH = "FRAME_MISMATCH"        # frame count or byte length vs header
-    TOO_LARGE = "TOO_LARGE"
-    NON_FINITE = "NON_FINITE"                # NaN / Inf in hidden rows
-    BAD_REQUEST = "BAD_REQUEST"              # well-formed but inconsistent
-    CONTEXT_GAP = "CONTEXT_GAP"              # rows start past the stored context
-    UNKNOWN_REQUEST = "UNKNOWN_REQUEST"
-    PREFIX_MISMATCH = "PREFIX_MISMATCH"
-    CAPACITY = "CAPACITY"                    # the pool cannot hold the rows
-    TOO_MANY_REQUESTS = "TOO_MANY_REQUESTS"
-    K_TOO_LARGE = "K_TOO_LARGE"
-    UNSUPPORTED = "UNSUPPORTED"
-    NO_SESSION = "NO_SESSION"                # no hello on this connection yet
-    NOT_OWNER = "NOT_OWNER"                  # the session belongs to another client key
-    SHUTTING_DOWN = "SHUTTING_DOWN"
-    INTERNAL = "INTERNAL"
-
-
-class ProtocolError(Exception):
-    """A message could not be accepted; carries a typed code."""
-
-    def __init__(self, code: ErrorCode | str, message: str, seq: int = -1):
-        super().__init__(f"{ErrorCode(code).value}: {message}")
-        self.code = ErrorCode(code)
-        self.message = message
-        self.seq = seq
-
-
-# --------------------------------------------------------------------- dtypes
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-    "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
-}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"dtype {dtype} cannot travel") from None
-
+from k3_accel.protocol.base import (DEFAULT_MAX_MESSAGE_BYTES, DTYPES, HIDDEN_DTYPES, PROTOCOL_VERSION,
+                                    ErrorCode, ProtocolError, _encoder, _peek_version, _version_message,
+                                    frame_array, frame_bytes, frame_tensor)
 
 # ------------------------------------------------------------------- messages
 class _Msg(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
@@ -237,56 +159,7 @@ class Caps(msgspec.Struct, frozen=True, kw_only=True):
     protocol: int = PROTOCOL_VERSION
 
 
-class ReplyHeader(msgspec.Struct, array_like=True):
-    v: int
-    seq: int
-    ok: bool
-    server_id: str
-    error: Optional[tuple[str, str]] = None          # (code, message)
-    failures: list[tuple[int, str, str]] = []        # (request index, code, message)
-    result: Any = None
-    tensors: list[tuple[str, str, list[int]]] = []   # (name, dtype, shape) of each frame
-
-
-# Frames are read-only and never written to: torch's warning about that would cost a
-# ``catch_warnings`` per frame on the hot path (that is slower than the frame itself).
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-_encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(_Envelope)
-_reply_decoder = msgspec.msgpack.Decoder(ReplyHeader)
-
-
-# ------------------------------------------------------------------ frames
-def tensor_frame(t: torch.Tensor) -> memoryview:
-    """A zero-copy view of a contiguous CPU tensor's bytes (pinned memory included)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("only contiguous CPU tensors can be framed")
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
-
-
-def frame_bytes(frame: Any) -> memoryview:
-    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
-
-
-def frame_tensor(frame: Any, dtype: torch.dtype, shape: Sequence[int], what: str) -> torch.Tensor:
-    """A (read-only, zero-copy) tensor over a frame; FRAME_MISMATCH if the size is wrong."""
-    buf = frame_bytes(frame)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if buf.nbytes != nbytes:
-        raise ProtocolError(ErrorCode.FRAME_MISMATCH,
-                            f"{what}: frame has {buf.nbytes} bytes, header implies {nbytes}")
-    if nbytes == 0:
-        return torch.empty(tuple(shape), dtype=dtype)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
-
-
-def frame_array(frame: Any, dtype: np.dtype, shape: Sequence[int], what: str) -> np.ndarray:
-    buf = frame_bytes(frame)
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    if buf.nbytes != nbytes:
-        raise ProtocolError(ErrorCode.FRAME_MISMATCH,
-                            f"{what}: frame has {buf.nbytes} bytes, header implies {nbytes}")
-    return np.frombuffer(buf, dtype=dtype).reshape(tuple(shape))
 
 
 # ---------------------------------------------------------------- requests
@@ -332,21 +205,6 @@ def _trimmed(msg: Message) -> Any:
     return msg if end == len(values) else (cls.__struct_config__.tag, *values[:end])
 
 
-def _peek_version(raw: bytes) -> tuple[Any, int]:
-    """(version, seq) of a frame 0 that did not decode as v2, for a useful error."""
-    try:
-        head = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except Exception:  # noqa: BLE001 - any garbage
-        return None, -1
-    if isinstance(head, dict):
-        seq = head.get("seq", -1)
-        return head.get("v"), seq if isinstance(seq, int) and not isinstance(seq, bool) else -1
-    if isinstance(head, list) and len(head) >= 2:
-        seq = head[1] if isinstance(head[1], int) and not isinstance(head[1], bool) else -1
-        return head[0], seq
-    return None, -1
-
-
 def decode_request(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Request:
     """Parse and check a request; raises :class:`ProtocolError` (with the seq when known)."""
     if not frames:
@@ -387,11 +245,6 @@ def _field_name(text: str, raw: bytes) -> str:
         return f" ({tag}.{fields[int(match.group(1)) - 1]})" if match and int(match.group(1)) > 0 else ""
     except Exception:  # noqa: BLE001 - no name to add
         return ""
-
-
-def _version_message(version: Any) -> str:
-    return (f"protocol version {version!r}; this server speaks "
-            f"{', '.join(map(str, SUPPORTED_VERSIONS))} (upgrade the client: pip install -U k3-accel)")
 
 
 def sampling(msg: Any) -> bool:
@@ -441,84 +294,6 @@ def _attach_frames(req: Request, frames: Sequence[Any], max_bytes: int) -> Reque
         raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"{req.op} takes no frames, got {len(frames)}")
     return req
 
-
-# ------------------------------------------------------------------ replies
-class Reply(msgspec.Struct):
-    seq: int
-    ok: bool
-    server_id: str
-    error: Optional[tuple[str, str]] = None
-    failures: list = []
-    result: Any = None
-    tensors: dict = {}
-
-    def raise_for_error(self) -> "Reply":
-        if not self.ok:
-            code, message = self.error or ("INTERNAL", "")
-            raise ProtocolError(code, message, self.seq)
-        return self
-
-
-def error_reply(seq: int, server_id: str, code: ErrorCode | str, message: str) -> Reply:
-    return Reply(seq, False, server_id, (ErrorCode(code).value, message))
-
-
-_NP_NAMES = {np.dtype(np.int64): "int64", np.dtype(np.int32): "int32", np.dtype(np.float32): "float32",
-             np.dtype(np.uint8): "uint8"}
-
-
-def encode_reply(reply: Reply) -> list:
-    """Frames of a reply; its tensors may be torch tensors or numpy arrays."""
-    specs, frames = [], []
-    for name, t in reply.tensors.items():
-        if isinstance(t, np.ndarray):
-            t = np.ascontiguousarray(t)
-            specs.append((name, _NP_NAMES[t.dtype], list(t.shape)))
-            frames.append(t.data)
-            continue
-        t = t if t.is_contiguous() else t.contiguous()
-        specs.append((name, dtype_name(t.dtype), list(t.shape)))
-        frames.append(tensor_frame(t))
-    head = ReplyHeader(PROTOCOL_VERSION, reply.seq, reply.ok, reply.server_id, reply.error,
-                       reply.failures, reply.result, specs)
-    return [_encoder.encode(head), *frames]
-
-
-def decode_reply(frames: Sequence[Any]) -> Reply:
-    if not frames:
-        raise ProtocolError(ErrorCode.BAD_FRAME, "empty reply")
-    try:
-        head = _reply_decoder.decode(frame_bytes(frames[0]))
-    except msgspec.DecodeError:
-        version, seq = _peek_version(bytes(frame_bytes(frames[0])))
-        if version is not None and version != PROTOCOL_VERSION:
-            raise ProtocolError(ErrorCode.BAD_VERSION, f"the server speaks protocol {version!r}, "
-                                                       f"this client {PROTOCOL_VERSION}", seq) from None
-        raise ProtocolError(ErrorCode.BAD_FRAME, "not a reply", seq) from None
-    if len(frames) - 1 != len(head.tensors):
-        raise ProtocolError(ErrorCode.FRAME_MISMATCH, "reply frames do not match its header", head.seq)
-    tensors = {}
-    for (name, dtype, shape), frame in zip(head.tensors, frames[1:]):
-        if dtype not in DTYPES:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"reply tensor {name}: dtype {dtype!r}", head.seq)
-        tensors[name] = frame_tensor(frame, DTYPES[dtype], shape, name)
-    return Reply(head.seq, head.ok, head.server_id, head.error, head.failures, head.result, tensors)
-
-
-def legacy_error(frames: Sequence[Any], server_id: str) -> list | None:
-    """A version-1 peer's message answered with BAD_VERSION in version-1 framing (None: not v1)."""
-    version, seq = _peek_version(bytes(frame_bytes(frames[0]))) if frames else (None, -1)
-    if version != 1:
-        return None
-    body = {"ok": False, "server_id": server_id,
-            "error": {"code": ErrorCode.BAD_VERSION.value, "message": _version_message(1)}}
-    return [msgpack.packb({"v": 1, "op": "reply", "seq": seq, "body": body, "tensors": []},
-                          use_bin_type=True)]
-
-
-def caps_from_result(result: Any) -> Caps:
-    """The server's :class:`Caps` from a hello result; ProtocolError(BAD_FIELD) if unusable."""
-    try:
-        return msgspec.convert(result, Caps)
-    except msgspec.ValidationError as exc:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"hello result: {exc}") from None
+__all__ = ['SESSION_KEY_CHARS', 'Hello', 'Ingest', 'Propose', 'Free', 'Clear', 'Reconnect', 'IpcTensor',
+           'Attach', 'Ping', 'Bye', 'Stats', 'Message', 'OPS', 'ROW_OPS', 'META_COLUMNS', 'DeviceOffer',
+           'Caps', 'Request', 'encode_request', 'decode_request', 'sampling']
