@@ -226,7 +226,8 @@ class _OldEnvelope(msgspec.Struct, array_like=True):
                                  p.Propose(K, 2, 5, "bfloat16", WIDTH, "topk", 4), p.Propose(K, 1, 0)])
 def test_a_host_path_message_decodes_on_a_server_that_predates_the_device_plane(msg):
     old = msgspec.msgpack.decode(p.encode_request(7, msg)[0], type=_OldEnvelope)
-    assert old.seq == 7 and msgspec.structs.astuple(old.msg) == msgspec.structs.astuple(msg)[:-1]
+    known = len(type(old.msg).__struct_fields__)       # the fields an old server knows; the new ones are
+    assert old.seq == 7 and msgspec.structs.astuple(old.msg) == msgspec.structs.astuple(msg)[:known]  # off
 
 
 def test_a_device_row_message_has_the_slot_row_column_and_no_hidden_frame():
