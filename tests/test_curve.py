@@ -140,3 +140,26 @@ def test_a_name_that_resolves_to_loopback_and_a_routable_address_is_not_loopback
         with pytest.raises(SecurityError, match="not a loopback address"):
             check_bind(host, curve=False, allow_insecure=False)
         check_bind(host, curve=True, allow_insecure=False)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3"])
+def test_the_server_refuses_a_non_loopback_bind_without_curve(host):
+    """The rule at the command line, not only in ``check_bind``: ``k3-draft-server`` asked to listen
+    beyond loopback with no CURVE keys and no ``--allow-insecure-remote`` exits 2 naming the flag,
+    before it binds anything."""
+    import socket
+    import subprocess
+    import sys
+
+    from helpers.ports import free_port
+    from helpers.server import src_env
+
+    port, http_port = free_port(), free_port()
+    out = subprocess.run([sys.executable, "-m", "k3_accel.server.cli", "--engine", "ngram", "--host", host,
+                          "--port", str(port), "--http-port", str(http_port)],
+                         env=src_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "--allow-insecure-remote" in out.stderr and "loopback" in out.stderr
+    for p_ in (port, http_port):
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", p_)) != 0        # nothing listens: it never bound
