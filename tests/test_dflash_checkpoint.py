@@ -160,3 +160,19 @@ def test_index_paths_must_stay_inside(ckpt, tmp_path):
     d = _copy(draft, tmp_path / "no_weights")
     (d / "model.safetensors").unlink()
     assert "no *.safetensors" in _load_error(d, target)
+
+
+def test_d2t_that_maps_a_draft_id_past_the_target_vocab_is_refused(ckpt, tmp_path):
+    """Every draft id i must land on a target id i + d2t[i] inside [0, vocab): one offset that points
+    past the end (or below 0) refuses the checkpoint instead of serving ids vLLM cannot verify."""
+    _, target = ckpt
+    base = write_tiny_dflash(tmp_path / "reduced", target, draft_vocab_size=64)
+    w = load_dflash(base, target)                               # the unedited reduced-vocab draft loads
+    vocab = w.config.vocab_size
+    assert w.d2t is not None and int((torch.arange(64) + w.d2t).max()) < vocab
+    for name, edit in (("past", lambda d2t: d2t.__setitem__(-1, vocab - 63)),      # 63 + (vocab - 63) = vocab
+                       ("far", lambda d2t: d2t.__setitem__(0, 10 ** 6)),
+                       ("below", lambda d2t: d2t.__setitem__(5, -6))):              # 5 - 6 = -1
+        d = _copy(base, tmp_path / name)
+        _edit_tensors(d, lambda t, edit=edit: edit(t["d2t"]))
+        assert "outside the target vocab" in _load_error(d, target), name
