@@ -334,3 +334,27 @@ def test_installed_console_script_answers_readyz():
     finally:
         proc.terminate()
         assert proc.wait(60) == 0
+
+
+def test_readyz_follows_the_engine_and_loop_readiness():
+    """/readyz is 503 while the server is not ready (engine loading, sockets not bound: the CLI's
+    ``loop.ready`` not set) and 200 only once it is; /healthz is 200 throughout. A real HTTP server
+    on a loopback port, read over a socket; the readiness is the event the CLI hands it."""
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    from k3_accel.server.http import HealthServer
+
+    ready = threading.Event()
+    http = HealthServer("127.0.0.1", 0, CollectorRegistry(), ready=ready.is_set).start()
+    try:
+        assert http_get(http.port, "/healthz")[0] == 200
+        code, body = http_get(http.port, "/readyz")
+        assert code == 503 and "not ready" in body
+        ready.set()
+        assert http_get(http.port, "/readyz") == (200, "ready\n")
+        ready.clear()                                   # e.g. the loop stopped accepting
+        assert http_get(http.port, "/readyz")[0] == 503
+    finally:
+        http.close()
