@@ -1,0 +1,50 @@
+"""DSpark checkpoint rules written from ``dspark_weights`` / ``dspark_engine``: the confidence head
+exists when the config enables it *and* both its tensors are there (as in vLLM); half a head is a
+broken checkpoint, refused; the engine (and so its hello) advertises confidence only with the head."""
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from k3_accel.server.engines.dflash import DSparkEngine
+from k3_accel.server.engines.dflash.config import CheckpointError
+from k3_accel.server.engines.dflash.dspark_weights import CONFIDENCE_B, CONFIDENCE_W, load_dspark
+from k3_accel.testing.tiny import write_tiny_target
+from k3_accel.testing.tiny_dspark import write_tiny_dspark
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_tiny_target(tmp_path_factory.mktemp("dspark_rules") / "target")
+
+
+def _draft(tmp_path, target, name: str, drop: tuple[str, ...] = (), **options):
+    d = write_tiny_dspark(tmp_path / name, target, **options)
+    files = sorted(d.glob("*.safetensors"))
+    assert len(files) == 1
+    tensors = load_file(str(files[0]))
+    for key in drop:
+        tensors.pop(key)
+    save_file(tensors, str(files[0]))
+    return d
+
+
+@pytest.mark.parametrize("missing", [CONFIDENCE_W, CONFIDENCE_B])
+def test_half_a_confidence_head_is_refused(tmp_path, target, missing):
+    d = _draft(tmp_path, target, "half", drop=(missing,), confidence=True)
+    with pytest.raises(CheckpointError, match="only one of"):
+        load_dspark(d, target)
+    with pytest.raises(CheckpointError):
+        DSparkEngine(str(d), str(target), budget_bytes=1 << 22)
+
+
+def test_confidence_is_advertised_only_with_the_head(tmp_path, target):
+    with_head = DSparkEngine(str(_draft(tmp_path, target, "head", confidence=True)), str(target),
+                             budget_bytes=1 << 22)
+    assert with_head.caps.confidence is True and with_head.heads.confidence_w is not None
+    # the config enables the head but the checkpoint has none of it: no head (vLLM's rule), none claimed
+    absent = DSparkEngine(str(_draft(tmp_path, target, "absent", drop=(CONFIDENCE_W, CONFIDENCE_B),
+                                     confidence=True)), str(target), budget_bytes=1 << 22)
+    assert absent.heads.confidence_w is None and absent.caps.confidence is False
+    off = DSparkEngine(str(_draft(tmp_path, target, "off", confidence=False)), str(target), budget_bytes=1 << 22)
+    assert off.caps.confidence is False
