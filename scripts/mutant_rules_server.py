@@ -5,6 +5,7 @@ from __future__ import annotations
 from mutant import Mutant
 
 D = "server/engines/dflash/"
+V33 = ".venv-vllm033"    # the DSpark math is checked against vLLM 0.33's own module
 
 SERVER_MUTANTS = (
     Mutant("cli-bind-without-curve", "k3-draft-server binds a non-loopback host only with CURVE or the flag",
@@ -55,11 +56,11 @@ SERVER_MUTANTS = (
            ("tests/test_dspark_engine.py", "tests/test_doctor_dspark.py")),
     Mutant("dspark-d2t-unmapped", "DSpark draft ids are mapped to target ids", D + "dspark_model.py",
            "    return ids if fw.d2t is None else ids + fw.d2t[ids]", "    return ids",
-           ("tests/test_dspark_engine.py",)),
+           ("tests/test_dspark_vllm_module.py",), V33),
     Mutant("dspark-claims-confidence", "hello advertises confidence only with a confidence head",
            D + "dspark_engine.py", "confidence=self.heads.confidence_w is not None", "confidence=True",
-           ("tests/test_dspark_engine.py", "tests/test_doctor_dspark.py")),
+           ("tests/test_dspark_rules.py", "tests/test_dspark_engine.py", "tests/test_doctor_dspark.py")),
     Mutant("dspark-half-confidence-head", "a checkpoint with half a confidence head is refused",
            D + "dspark_weights.py", "    if cfg.confidence_head and len(present) == 3:", "    if False:",
-           ("tests/test_dspark_engine.py",)),
+           ("tests/test_dspark_rules.py", "tests/test_dspark_engine.py")),
 )
