@@ -34,6 +34,7 @@ class FakeTarget:
         self.accept = lambda step, i, j: False          # draft j (0-based) of request i accepted?
         self.stall = lambda step: 0.0                    # extra seconds of a step (a JIT compile, a GC pause)
         self.prefill = lambda step: 0                    # rows of a request mid-prefill in this step
+        self.confidence = None                           # the server's per-draft confidence, (step, i, j) -> p
 
     def step(self, n: int) -> list[np.ndarray]:
         """``n`` decode steps; returns the drafts per request handed to vLLM each step."""
@@ -65,7 +66,11 @@ class FakeTarget:
     def _server(self, inp: StepInput) -> StepOutput:
         if inp.k > 0:
             self.now += self.rt
-        return StepOutput(torch.full((len(inp.req_ids), inp.k), 5, dtype=torch.int64))
+        out = StepOutput(torch.full((len(inp.req_ids), inp.k), 5, dtype=torch.int64))
+        if self.confidence is not None and inp.k > 0:
+            out.extra["confidence"] = torch.tensor([[self.confidence(len(self.asked), i, j) for j in range(inp.k)]
+                                                    for i in range(len(inp.req_ids))], dtype=torch.float32)
+        return out
 
 
 def test_controller_turns_off_when_acceptance_collapses():
@@ -122,6 +127,29 @@ def test_warm_up_stalls_do_not_turn_a_paying_draft_off(stalled):
     after = t.step(60)[12:]
     assert sum(1 for d in after if d.sum() == 0) == 0         # never off
     assert np.mean([d.mean() for d in after]) >= 4            # and drafting what is accepted
+
+
+def test_server_confidence_trims_the_drafts_it_doubts():
+    """DSpark's confidence head says, per draft of this step, how likely it is to be accepted:
+    the drafts it doubts are not handed to vLLM, those it trusts are, whatever the history says."""
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=32)), batch=8)
+    t.accept = lambda step, i, j: j < 2 + (i % 2) * 3            # requests accept 2 or 5 drafts
+    t.confidence = lambda step, i, j: 0.97 if j < 2 + (i % 2) * 3 else 0.02
+    got = t.step(40)[10:]
+    assert all((d[0::2] <= 3).all() for d in got)                # the doubted tail is cut (at most one over)
+    assert np.mean([d[1::2].mean() for d in got]) >= 4           # the trusted drafts still go
+    assert t.c.counters["hint_trimmed_drafts"] > 0
+
+
+def test_no_confidence_means_no_trimming_by_it():
+    def run(conf):
+        t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=32)), batch=4)
+        t.accept = lambda step, i, j: j < 4
+        t.confidence = conf
+        return [d.tolist() for d in t.step(30)], t.c.counters["hint_trimmed_drafts"]
+    plain, trimmed = run(None)
+    none_sent, trimmed_none = run(lambda step, i, j: -1.0)       # a server without a confidence head
+    assert plain == none_sent and trimmed == trimmed_none == 0
 
 
 def test_controller_same_on_every_tp_rank():

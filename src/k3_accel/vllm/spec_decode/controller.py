@@ -196,6 +196,7 @@ class Controller:
         if proposing:
             self._last_wait = self.clock() - start
             self.cost.observe_round_trip(self._last_wait)
+            ks = self._hinted(ks, sampled, counts, out)
         else:
             self._last_wait = 0.0
         drafts = out.drafts
@@ -208,6 +209,33 @@ class Controller:
             given = np.zeros(len(counts), np.int64)
         self.given = {rid: int(g) for rid, g, s in zip(inp.req_ids, given, sampled) if s}
         return out
+
+    def _hinted(self, ks: np.ndarray, sampled: np.ndarray, counts: np.ndarray, out: Any) -> np.ndarray:
+        """With the server's per-draft confidence (DSpark's confidence head: ``out.extra
+        ["confidence"]``, -1 = none) the drafts of this very step are ranked by it instead of by
+        the acceptance history: request ``i``'s ``j``-th draft survives with the product of its
+        first ``j`` confidences, and the same cost model picks the prefix. Only ever fewer drafts
+        than chosen before the step (the round trip is already paid)."""
+        conf = getattr(out, "extra", {}).get("confidence")
+        if conf is None or not len(ks):
+            return ks
+        c = np.asarray(conf, dtype=np.float64)
+        rows = np.flatnonzero(sampled & (ks > 0) & (c[:, 0] >= 0))
+        if rows.size == 0:
+            return ks
+        k = min(c.shape[1], int(ks.max()))
+        surv = np.cumprod(np.clip(c[rows, :k], 0.0, 1.0), axis=1)
+        surv[np.arange(k)[None, :] >= ks[rows, None]] = 0.0          # never past the earlier choice
+        a, b = self.cost.line()
+        others = np.ones(len(ks), dtype=bool)
+        others[rows] = False
+        base = float(np.count_nonzero(sampled) + counts[~sampled].sum() + ks[others].sum())
+        chosen = _best_prefix(surv, int(np.count_nonzero(sampled)), a, b, base, 0.0,
+                              min(self.s.k_min, k))
+        trimmed = ks.copy()
+        trimmed[rows] = np.minimum(ks[rows], chosen)
+        self.counters["hint_trimmed_drafts"] += int((ks - trimmed).sum())
+        return trimmed
 
     def _learn(self, req_ids: Sequence[str], sampled: np.ndarray, counts: np.ndarray, start: float) -> None:
         """The valid rows of a sampling request are 1 + the drafts it had accepted."""
