@@ -5,6 +5,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from k3_accel.config import ConfigError, check_address
@@ -139,6 +140,20 @@ class StepInput:
     @property
     def num_requests(self) -> int:
         return len(self.req_ids)
+
+    def batch_ids(self) -> list[str]:
+        """The requests this step is about: rows to send or a token sampled."""
+        return [rid for rid, c, s in zip(self.req_ids, self.counts, self.sampled) if c > 0 or s]
+
+    def anchors(self) -> tuple[np.ndarray, np.ndarray]:
+        """Anchor tokens and positions as int64 arrays (device tensors come over first)."""
+        values = [self.anchor_tokens, self.anchor_positions]
+        on_device = [v for v in values if isinstance(v, torch.Tensor) and v.device.type != "cpu"]
+        if on_device:
+            values = [v.to("cpu", non_blocking=True) if isinstance(v, torch.Tensor) else v for v in values]
+            torch.cuda.current_stream(on_device[0].device).synchronize()
+        return tuple(v.numpy().astype(np.int64, copy=False) if isinstance(v, torch.Tensor)
+                     else np.fromiter(v, dtype=np.int64, count=len(v)) for v in values)
 
     def validate(self, settings: ClientSettings) -> None:
         """Raise :class:`StepInputError` unless every field is consistent."""

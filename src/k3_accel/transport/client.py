@@ -146,9 +146,9 @@ class DraftClient:
                 return self._run_step(inp, out)
             self._lost_rows(inp)
         except RingTimeout as exc:
-            self.book.failures.push(FailureKind.RING_TIMEOUT, _batch_ids(inp), str(exc))
+            self.book.failures.push(FailureKind.RING_TIMEOUT, inp.batch_ids(), str(exc))
         except TransportError as exc:
-            self.book.failures.push(FailureKind.TRANSPORT, _batch_ids(inp), str(exc))
+            self.book.failures.push(FailureKind.TRANSPORT, inp.batch_ids(), str(exc))
             self.link.lose(exc)
         return None
 
@@ -186,7 +186,7 @@ class DraftClient:
         if ingest.size == 0 and propose.size == 0:
             self.link.service()
             return live
-        anchor_tokens, anchor_positions = self._anchors(inp)
+        anchor_tokens, anchor_positions = inp.anchors()
         plan = self._prepare(inp, recs, layout.plan_rows(counts, anchor_positions, ingest, propose))
         deferred = plan.propose.size == 0 and self.settings.ring_depth > 0
         if deferred and inp.optional and self.ring.next_busy():
@@ -217,17 +217,6 @@ class DraftClient:
         return live
 
     # --------------------------------------------------------------- inputs
-    @staticmethod
-    def _anchors(inp: StepInput) -> tuple[np.ndarray, np.ndarray]:
-        """Anchor tokens and positions as int64 arrays (device tensors come over first)."""
-        values = [inp.anchor_tokens, inp.anchor_positions]
-        on_device = [v for v in values if isinstance(v, torch.Tensor) and v.device.type != "cpu"]
-        if on_device:
-            values = [v.to("cpu", non_blocking=True) if isinstance(v, torch.Tensor) else v for v in values]
-            torch.cuda.current_stream(on_device[0].device).synchronize()
-        return tuple(v.numpy().astype(np.int64, copy=False) if isinstance(v, torch.Tensor)
-                     else np.fromiter(v, dtype=np.int64, count=len(v)) for v in values)
-
     def _prepare(self, inp: StepInput, recs: list[Record], plan: layout.RowPlan) -> layout.RowPlan:
         """Reconnects for requests whose rows start past their remote context (prefix-cache
         hits); a request that cannot be attached sits the step out, disabled."""
@@ -411,7 +400,3 @@ class DraftClient:
             {"records": self._capture.records, "errors": self._capture.errors},
         })
         return snap
-
-
-def _batch_ids(inp: StepInput) -> list[str]:
-    return [rid for rid, c, s in zip(inp.req_ids, inp.counts, inp.sampled) if c > 0 or s]
