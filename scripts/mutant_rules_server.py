@@ -34,7 +34,7 @@ SERVER_MUTANTS = (
            ("tests/test_dflash_engine.py", "tests/test_dflash_pool.py", "tests/test_server_dflash.py")),
     Mutant("host-tables-lose-head", "a grown block-table mirror keeps its first blocks", D + "host_tables.py",
            "                grown[:first] = arr[:first]", "                pass",
-           ("tests/test_dflash_engine.py", "tests/test_dflash_pool.py", "tests/test_server_dflash.py")),
+           ("tests/test_host_tables.py", "tests/test_dflash_engine.py", "tests/test_dflash_pool.py", "tests/test_server_dflash.py")),
     Mutant("model-d2t-unmapped", "a reduced-vocabulary draft's ids are mapped to target ids", D + "model.py",
            "    return ids if fw.d2t is None else ids + fw.d2t[ids]", "    return ids",
            ("tests/test_dflash_engine.py",)),
@@ -53,7 +53,7 @@ SERVER_MUTANTS = (
     # ------------------------------------------------------------- DSpark
     Mutant("dspark-capture-ids-unshifted", "eagle capture indices are layer id + 1", D + "dspark_config.py",
            "        return [int(i) - 1 for i in captured]", "        return [int(i) for i in captured]",
-           ("tests/test_dspark_engine.py", "tests/test_doctor_dspark.py")),
+           ("tests/test_dspark_rules.py", "tests/test_dspark_engine.py", "tests/test_doctor_dspark.py"), V33),
     Mutant("dspark-d2t-unmapped", "DSpark draft ids are mapped to target ids", D + "dspark_model.py",
            "    return ids if fw.d2t is None else ids + fw.d2t[ids]", "    return ids",
            ("tests/test_dspark_vllm_module.py",), V33),

@@ -9,6 +9,7 @@ bounded group with a 3 s timeout, so a peer that never arrives costs 3 s.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -212,9 +213,22 @@ def test_comm_fault_unwritable_cache_keeps_the_decision(two):
 
 
 # ------------------------------------------------------------- teardown
+class _Leaks(logging.Handler):
+    """The DMA module's warnings: an abandoned ring says how many device bytes it leaked."""
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _teardown(rank, world, faulty):
     out = {}
+    leaks = _Leaks()
+    logging.getLogger("k3_accel.comm.dma").addHandler(leaks)
     for case in ("close_before_barrier", "close_after_barrier", "absent"):
+        leaks.messages.clear()
         runtime_cls = LoopbackDmaRuntime
         if case != "absent":
             runtime_cls = LoopbackDmaRuntime.with_faults(**{case: {faulty}})
@@ -228,7 +242,8 @@ def _teardown(rank, world, faulty):
         error = "skipped" if case == "absent" and rank == faulty else router.close()
         seconds = time.monotonic() - t0
         out[case] = dict(routed=routed, error=error, seconds=seconds, released=router.dma is None,
-                         in_step=_still_in_step(group, rank, world))
+                         in_step=_still_in_step(group, rank, world),
+                         leak_logged=any("bytes leaked" in m for m in leaks.messages))
     return out
 
 
@@ -244,6 +259,7 @@ def test_comm_fault_teardown_never_hangs_and_never_raises(two):
         assert cases[0]["error"] is not None                      # its peer gave up waiting
         if case != "absent":
             assert "injected" in cases[1]["error"]
+            assert cases[1]["leak_logged"]                      # abandoned locally, its leak said
 
 
 # ----------------------------------------------------------- two ranks

@@ -154,6 +154,17 @@ def test_oneshot_first_then_dma_then_next():
     assert router.backend_name == "FLASHINFER_PCIE_IPC_B12X_DMA"
 
 
+def test_a_closed_oneshot_workspace_is_never_used():
+    oneshot = OneShotBackend.from_vllm(FakeOneShot(limit_bytes=4 * MiB))
+    router = AllReduceRouter(fallback=fallback_recorder()[0], oneshot=oneshot, dma=make_dma(min_bytes=1 * MiB))
+    assert router.choose(bf16(2 * MiB)) == "oneshot"
+    oneshot.close()                                     # its workspace is gone (sleep mode, shutdown)
+    assert not oneshot.should_use(bf16(2 * MiB))
+    assert router.choose(bf16(2 * MiB)) == "dma"
+    router.all_reduce(bf16(2 * MiB))
+    assert oneshot.impl.calls == 0
+
+
 def test_oneshot_run_override_and_disabled_wrapper():
     seen = []
     oneshot = OneShotBackend.from_vllm(FakeOneShot(), run=lambda t: seen.append(t) or t + 1)

@@ -48,3 +48,24 @@ def test_confidence_is_advertised_only_with_the_head(tmp_path, target):
     assert absent.heads.confidence_w is None and absent.caps.confidence is False
     off = DSparkEngine(str(_draft(tmp_path, target, "off", confidence=False)), str(target), budget_bytes=1 << 22)
     assert off.caps.confidence is False
+
+
+@pytest.mark.vllm
+@pytest.mark.vllm033
+@pytest.mark.parametrize("cfg", [
+    {"eagle_aux_hidden_state_layer_ids": [2, 5, 9]},                  # capture indices: layer id + 1
+    {"dflash_config": {"target_layer_ids": [1, 4, 8]}},
+    {"dspark_target_layer_ids": [0, 3]},
+    {"target_layer_ids": [6]},
+    {"eagle_aux_hidden_state_layer_ids": [3], "dspark_target_layer_ids": [7]},   # the first key wins
+])
+def test_dspark_layer_ids_are_the_ones_vllm_captures(cfg):
+    """The server asks for the target layers vLLM's target captures for this draft config
+    (vLLM's capture index = layer id + 1, whichever key the checkpoint uses)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    from k3_accel.server.engines.dflash.dspark_config import layer_ids
+    spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3", **cfg)))
+    assert layer_ids(cfg) == [i - 1 for i in get_eagle3_aux_layers_from_config(spec)]

@@ -1,0 +1,34 @@
+"""The DFlash engine's int32 mirrors of block tables (server/engines/dflash/host_tables.py): after
+any sequence of edits the mirror holds the table, also when it had to grow past its first 16
+blocks while a request's context got long (the first blocks must survive the growth)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from k3_accel.server.engines.dflash.host_tables import HostTables
+from k3_accel.server.engines.pool import BlockTable
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 17])
+def test_a_growing_table_keeps_its_first_blocks(step):
+    rng = np.random.default_rng(step)
+    tables = HostTables()
+    table = BlockTable()
+    while len(table.blocks) < 70:                     # grows past 16, 32 and 64 entries
+        first = len(table.blocks)
+        table.blocks.extend(int(b) for b in rng.integers(0, 10_000, size=step))
+        tables.update(table, first)                   # only the new blocks are copied
+        n = len(table.blocks)
+        assert tables._arrays[table][:n].tolist() == table.blocks     # the mirror itself, before get()
+        assert tables.get(table).tolist() == table.blocks
+
+
+def test_a_rewrite_from_the_middle_keeps_the_head():
+    tables = HostTables()
+    table = BlockTable(blocks=list(range(100, 120)))
+    tables.update(table)
+    table.blocks[12:] = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]
+    tables.update(table, 12)                          # a rewind rewrote from block 12 on, and it grew
+    assert tables._arrays[table][:len(table.blocks)].tolist() == table.blocks
+    assert tables.get(table).tolist() == table.blocks
