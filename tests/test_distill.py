@@ -148,3 +148,34 @@ def test_the_tiny_lm_target_continues_its_text(lm, tmp_path):
     model = load_target(lm)
     out = continue_greedily(model, text[None, 100:124], 16)[0, 24:]
     assert (out == text[124:140]).sum() >= 12, (out.tolist(), text[124:140].tolist())
+
+
+def test_distillation_blocks_start_at_generated_tokens():
+    """Block anchors are generated positions whose k labels all exist: never in the prompt
+    (the draft learns to continue the target, not to predict the prompt it was given)."""
+    import torch
+
+    from k3_accel.testing.target_data import Group
+    g = Group(torch.zeros(2, 20, dtype=torch.long), torch.zeros(2, 20, 4), torch.zeros(2, 20, 8), prompt_len=7)
+    for k in (1, 4, 12):
+        a = g.anchors(k).tolist()
+        assert a == list(range(7, 20 - k))
+
+
+def test_the_trainable_draft_computes_what_the_served_draft_computes(tmp_path):
+    """Distillation optimises the model the server will run: the trainable draft's block logits
+    equal the float64 reference of the DFlash math (testing/dflash_reference.py) for the same
+    checkpoint, context and anchor."""
+    from k3_accel.testing.dflash_reference import DFlashReference
+    from k3_accel.testing.tiny import write_tiny_dflash
+    target = write_tiny_target(tmp_path / "t")
+    draft = write_tiny_dflash(tmp_path / "d", target)
+    model, ref = _model(target), DFlashReference(draft, target)
+    gen = torch.Generator().manual_seed(1)
+    width = model.w("fc.weight").shape[1]
+    aux, tokens = torch.randn(1, 12, width, generator=gen), torch.randint(1, 500, (1, 12), generator=gen)
+    with torch.no_grad():
+        for p in (3, 8, 11):
+            got = model(aux[:, :p + 1], tokens[:, :p + 1], torch.tensor([p]), K)[0, 0].double()
+            want = ref.logits(aux[0, :p], int(tokens[0, p]), K)
+            torch.testing.assert_close(got, want, atol=TOL * float(want.abs().max()), rtol=TOL)

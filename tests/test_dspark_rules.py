@@ -69,3 +69,22 @@ def test_dspark_layer_ids_are_the_ones_vllm_captures(cfg):
     from k3_accel.server.engines.dflash.dspark_config import layer_ids
     spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3", **cfg)))
     assert layer_ids(cfg) == [i - 1 for i in get_eagle3_aux_layers_from_config(spec)]
+
+
+def test_the_tiny_dspark_markov_head_moves_the_drafts(tmp_path):
+    """The tiny DSpark checkpoint every DSpark test runs on has a Markov head that matters: with it
+    the drafts differ from the same backbone's without it (else the Markov tests would be vacuous)."""
+    import torch
+
+    from dflash_support import Mirror, random_rows
+    target = write_tiny_target(tmp_path / "target")
+    drafts = {}
+    for std in (1.0, 0.0):
+        ckpt = write_tiny_dspark(tmp_path / f"draft{std}", target, markov_std=std, confidence=False)
+        m = Mirror(DSparkEngine(str(ckpt), str(target), budget_bytes=1 << 22))
+        gen = torch.Generator().manual_seed(3)
+        states = [m.new() for _ in range(6)]
+        m.ingest([(s, 0, random_rows(gen, 12)) for s in states])
+        drafts[std] = m.propose(states, [int(a) for a in torch.randint(0, 100, (6,), generator=gen)], 4,
+                                logits="none").tokens
+    assert not torch.equal(drafts[1.0], drafts[0.0])
