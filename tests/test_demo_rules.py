@@ -22,7 +22,7 @@ def _checkpoint(tmp_path, name: str) -> str:
     (dict(engine="dflash", target="T"), "--draft"),              # a real target's DFlash needs its draft
     (dict(engine="ngram", draft="D"), "--target"),               # a draft alone has no embeddings
     (dict(engine="dflash", target="T", draft="D", untrained=True), "--untrained"),
-    (dict(engine="eagle"), "expected dflash or ngram"),
+    (dict(engine="eagle"), "expected dflash, ngram or dspark"),
 ])
 def test_demo_options_that_cannot_run_are_refused_by_name(tmp_path, kw, words):
     kw = {k: _checkpoint(tmp_path, v) if k in ("target", "draft") else v for k, v in kw.items()}

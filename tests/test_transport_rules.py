@@ -1,6 +1,8 @@
 """Client rules the mutant set found unguarded (issue 25), each against a real n-gram draft server."""
 from __future__ import annotations
 
+import time
+
 from helpers.oracles import ngram_lookup as lookup
 from helpers.server import ServerProcess
 from helpers.steps import step as rows
@@ -25,14 +27,16 @@ def test_a_restart_between_steps_rearms_the_requests_the_old_server_held(client_
         assert out.drafts[0].tolist() == drafts(SEQ[:4])
         srv.restart()
         resumed = None
-        for start in range(3, 60):
-            out = client.step(rows(["a"], [(start, [SEQ[start]])], anchors=[SEQ[start + 1]],
-                                   prompts={"a": SEQ[:start]}))
+        seq = SEQ * 25                   # room for a slow reconnect on a loaded box (steps come every 20 ms)
+        for start in range(3, len(seq) - 2):
+            out = client.step(rows(["a"], [(start, [seq[start]])], anchors=[seq[start + 1]],
+                                   prompts={"a": seq[:start]}))
             if out.drafts[0, 0] >= 0:
                 resumed = start
                 break
+            time.sleep(0.02)
         assert resumed is not None, "request 'a' never drafted again after the restart"
-        assert out.drafts[0].tolist() == drafts(SEQ[:resumed + 2])
+        assert out.drafts[0].tolist() == drafts(seq[:resumed + 2])
         assert client.stats()["counters"]["server_restarts"] >= 1
     finally:
         srv.stop()
