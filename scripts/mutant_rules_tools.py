@@ -53,7 +53,7 @@ TOOLS_MUTANTS = (
            "demo/checkpoints.py", "    if not trained:\n", "    if True:\n", ("tests/test_demo_rules.py",)),
     Mutant("recorder-wrong-row", "each request's recorded drafts are its own", "demo/recorder.py",
            '        _state["drafts"].setdefault(key, []).append(rows[i])',
-           '        _state["drafts"].setdefault(key, []).append(rows[0])', ("tests/test_e2e_ngram.py",)),
+           '        _state["drafts"].setdefault(key, []).append(rows[0])', ("tests/test_recorder_rules.py", "tests/test_e2e_ngram.py")),
     # ------------------------------------------------------------- test oracles (a lenient oracle hides bugs)
     Mutant("precision-vacuous", "a bf16/fp32 draft check compares at positions where argmax cannot flip, never none",
            "testing/precision.py", "    return (top2[..., 0] - top2[..., 1]) > 2 * tolerance[..., 0]",
