@@ -48,7 +48,7 @@ TOOLS_MUTANTS = (
            "            if False:", ("tests/test_demo_rules.py",)),
     Mutant("child-failure-accepted", "a scenario child that exits non-zero is a failure", "demo/child.py",
            "    if proc.returncode != 0 or not out.exists():", "    if not out.exists():",
-           ("tests/test_demo_report.py", "tests/test_e2e_faults.py")),
+           ("tests/test_e2e_rules.py", "tests/test_demo_report.py", "tests/test_e2e_faults.py")),
     Mutant("checkpoints-trained-ignored", "--untrained is the only way to get random checkpoints",
            "demo/checkpoints.py", "    if not trained:\n", "    if True:\n", ("tests/test_demo_rules.py",)),
     Mutant("recorder-wrong-row", "each request's recorded drafts are its own", "demo/recorder.py",
