@@ -5,6 +5,7 @@ thread does afterwards raises into vLLM."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -33,15 +34,18 @@ class StuckLaunch:
         self.released.set()
 
 
+def _pipeline(stall_s: float, failures: list[str]) -> DraftPipeline:
+    return DraftPipeline(NoClient(), HostFence(), 4, 3, lambda kind, what: failures.append(kind), stall_s=stall_s)
+
+
 def test_a_stuck_step_releases_the_gpu_and_drafting_stays_off(capfd):
     failures: list[str] = []
-    fence = HostFence()
-    pipe = DraftPipeline(NoClient(), fence, 4, 3, lambda kind, what: failures.append(kind), stall_s=0.3)
+    pipe = _pipeline(0.3, failures)
     launch = StuckLaunch()
     try:
         seq = pipe.submit(launch, propose=True)
         assert seq == 1
-        assert fence.wait(seq, timeout=60)            # released without the draft thread
+        assert pipe.fence.wait(seq, timeout=60)       # released without the draft thread
         assert pipe.stalled and failures == ["stalled"]
         assert "in wait_ready" in capfd.readouterr().err   # every thread's stack: where the step is stuck
         with pytest.raises(PipelineClosed):
@@ -55,18 +59,26 @@ def test_a_stuck_step_releases_the_gpu_and_drafting_stays_off(capfd):
     assert launch.released.wait(10)
 
 
-def test_a_slow_step_that_finishes_in_time_is_not_a_stall():
+@pytest.mark.parametrize("steps", [1, 3])
+def test_finished_steps_are_never_overdue_however_long_the_engine_idles(steps):
+    """A healthy engine that drafts, then serves nothing for longer than the stall bound, keeps
+    drafting: only a step still unfinished counts (a watchdog that remembered finished steps would
+    turn remote drafting off after every idle minute)."""
     failures: list[str] = []
-    fence = HostFence()
-    pipe = DraftPipeline(NoClient(), fence, 4, 3, lambda kind, what: failures.append(kind), stall_s=30)
-    launch = StuckLaunch()
+    pipe = _pipeline(30, failures)
+    launches = [StuckLaunch() for _ in range(steps)]
     try:
-        seq = pipe.submit(launch, propose=True)
-        assert not fence.wait(seq, timeout=0.5)        # the GPU still waits for the step...
-        launch.gate.set()                             # ...which then ends (failing closed: no real client)
-        assert fence.wait(seq, timeout=60)
-        assert not pipe.stalled and "stalled" not in failures
+        seqs = [pipe.submit(launch, propose=True) for launch in launches]
+        late = time.monotonic() + 1000                 # "now", long past every submission's bound
+        assert pipe.overdue(late) == seqs[0]           # the oldest unfinished step
+        assert not pipe.fence.wait(seqs[0], timeout=0.2)      # the GPU still waits for it...
+        for launch in launches:
+            launch.gate.set()                          # ...until the steps end (failing closed: no real client)
+        assert pipe.fence.wait(seqs[-1], timeout=60)
         assert pipe.call(lambda c: "still here", timeout=60) == "still here"
+        assert pipe.overdue(late) is None and pipe.overdue(late + 10 ** 6) is None
+        assert not pipe.stalled and failures.count("stalled") == 0
     finally:
-        launch.gate.set()
+        for launch in launches:
+            launch.gate.set()
         pipe.close(5)

@@ -68,8 +68,9 @@ class DraftPipeline:
         self._pending: dict[int, float] = {}          # fence value -> when submitted (monotonic)
         self._lock = threading.Lock()
         self.stalled = False
+        self.stall_s = stall_s
         if stall_s is not None:
-            threading.Thread(target=self._watch, args=(stall_s,), name="k3-draft-watchdog", daemon=True).start()
+            threading.Thread(target=self._watch, name="k3-draft-watchdog", daemon=True).start()
         self.call(lambda c: c.start(start_wait_s), wait=False)
 
     # ------------------------------------------------------------ step thread
@@ -196,23 +197,32 @@ class DraftPipeline:
                 with self._lock:
                     self._pending.pop(seq, None)
 
-    def _watch(self, stall_s: float) -> None:
+    def overdue(self, now: float) -> int | None:
+        """The fence value of the oldest submitted step still unfinished ``stall_s`` after its
+        submission at ``now`` (a ``time.monotonic`` value), else None; finished steps never count."""
+        with self._lock:
+            seq = min(self._pending, default=None)          # fence values grow: the smallest is the oldest
+            since = self._pending.get(seq)
+        if since is None or self.stall_s is None or now - since < self.stall_s:
+            return None
+        return seq
+
+    def _watch(self) -> None:
         """The watchdog (see the module docstring)."""
         while not self._closed:
-            time.sleep(min(0.5, stall_s / 4))
-            with self._lock:
-                oldest = min(self._pending.items(), key=lambda kv: kv[0], default=None)
-            if oldest is None or time.monotonic() - oldest[1] < stall_s:
+            time.sleep(min(0.5, self.stall_s / 4))
+            seq = self.overdue(time.monotonic())
+            if seq is None:
                 continue
             self.stalled = True
             log.error("k3-accel: the draft thread has not finished step %d after %.1f s; the GPU is released "
                       "and remote drafting is off for this engine (output unchanged). Every thread's stack "
-                      "follows on stderr.", oldest[0], stall_s)
+                      "follows on stderr.", seq, self.stall_s)
             try:
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             except Exception:  # noqa: BLE001 - diagnosis only
                 pass
-            self.on_failure("stalled", f"draft thread stuck in step {oldest[0]}")
+            self.on_failure("stalled", f"draft thread stuck in step {seq}")
             self._closed = True
             self.fence.close()
             return
