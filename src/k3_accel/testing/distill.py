@@ -170,6 +170,20 @@ def _loss(model: TrainableDFlash, group: Group, rows: torch.Tensor, anchors: tor
     return (1 - s.soft_labels) * hard + s.soft_labels * soft
 
 
+def greedy_walk(seqs: list[list[int]], drafts: list[list[list[int]]], first: int, k: int) -> tuple[int, int]:
+    """``(accepted drafts, steps)`` of greedy speculative decoding over ``seqs``: ``drafts[i][a]``
+    are sequence ``i``'s ``k`` drafts for the block anchored at position ``first + a``; each step
+    drafts at the position after the last accepted token."""
+    accepted = steps = 0
+    for seq, draft in zip(seqs, drafts):
+        p = first
+        while p + k < len(seq):
+            guess, truth = draft[p - first], seq[p + 1:p + 1 + k]
+            run = next((i for i, (a, b) in enumerate(zip(guess, truth)) if a != b), k)
+            accepted, steps, p = accepted + run, steps + 1, p + run + 1
+    return accepted, steps
+
+
 @torch.no_grad()
 def acceptance(model: TrainableDFlash, data: TargetData, k: int) -> tuple[float, float]:
     """``(accepted / drafted, accepted per step)`` of greedy speculative decoding
@@ -179,13 +193,8 @@ def acceptance(model: TrainableDFlash, data: TargetData, k: int) -> tuple[float,
     for group in data.groups:
         anchors = group.anchors(k)
         drafts = model(group.aux, group.tokens, anchors, k).argmax(-1)     # [B, n_anchors, k]
-        first = int(anchors[0])
-        for seq, draft in zip(group.tokens.tolist(), drafts.tolist()):
-            p = first
-            while p + k < len(seq):
-                guess, truth = draft[p - first], seq[p + 1:p + 1 + k]
-                run = next((i for i, (a, b) in enumerate(zip(guess, truth)) if a != b), k)
-                accepted, steps, p = accepted + run, steps + 1, p + run + 1
+        a, s = greedy_walk(group.tokens.tolist(), drafts.tolist(), int(anchors[0]), k)
+        accepted, steps = accepted + a, steps + s
     return (accepted / (steps * k), accepted / steps) if steps else (0.0, 0.0)
 
 

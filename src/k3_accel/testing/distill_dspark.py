@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from k3_accel.testing.distill import greedy_walk
 from k3_accel.testing.draft_model import TrainableDFlash
 from k3_accel.testing.target_data import TargetData, one_thread, target_sequences
 from k3_accel.testing.tiny import write_dflash
@@ -111,11 +112,6 @@ def acceptance(model: TrainableDFlash, data: TargetData, k: int, w1: torch.Tenso
             prev = (base[:, :, j] + F.linear(F.embedding(prev, w1), w2)).argmax(-1)
             drafts.append(prev)
         drafts = torch.stack(drafts, -1)
-        first = int(anchors[0])
-        for seq, draft in zip(group.tokens.tolist(), drafts.tolist()):
-            p = first
-            while p + k < len(seq):
-                guess, truth = draft[p - first], seq[p + 1:p + 1 + k]
-                run = next((i for i, (a, b) in enumerate(zip(guess, truth)) if a != b), k)
-                accepted, steps, p = accepted + run, steps + 1, p + run + 1
+        a, s = greedy_walk(group.tokens.tolist(), drafts.tolist(), int(anchors[0]), k)
+        accepted, steps = accepted + a, steps + s
     return (accepted / (steps * k), accepted / steps) if steps else (0.0, 0.0)
