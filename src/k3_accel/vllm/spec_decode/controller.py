@@ -44,7 +44,7 @@ class ControllerSettings:
     prior: float = 0.6              # per-position acceptance assumed before any is measured
     prior_weight: float = 4.0       # how many observations the prior is worth (global)
     request_weight: float = 4.0     # how many global observations a request's own estimate starts from
-    decay: float = 0.9              # per-step forgetting (acceptance and costs: a memory of ~10 steps)
+    decay: float = 0.9              # per-step forgetting of acceptance (a memory of ~10 steps)
     min_step_s: float = 1e-5        # a step period below this is not a measurement
 
     def __post_init__(self) -> None:
