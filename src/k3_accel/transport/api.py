@@ -117,8 +117,6 @@ class StepInput:
     ``prompt_token_ids``: for requests seen for the first time, their prompt
     (lets a prefix-cache hit reconnect to a retained request).
     ``num_accepted``: drafts the target accepted per request last step, if known.
-    ``optional``: the rows may be dropped (their requests then draft no more) rather than
-    make the step wait for a staging slot the server has not released yet.
     ``temperature`` / ``seeds``: per request, to sample its drafts as vLLM seeds them (sent only
     to a server whose hello offers ``sampling``; otherwise the drafts are greedy).
     """
@@ -133,7 +131,6 @@ class StepInput:
     hidden: torch.Tensor | None = None
     prompt_token_ids: Mapping[str, IntSeq] | None = None
     num_accepted: Sequence[int] | None = None
-    optional: bool = False          # nobody drafts: drop the rows rather than wait for a busy staging slot
     temperature: Sequence[float] | torch.Tensor | None = None   # [R] >= 0 (0: greedy)
     seeds: IntSeq | None = None                                 # [R] int64
 

@@ -25,7 +25,7 @@ log = logging.getLogger("k3_accel.transport")
 
 # failures that are routine (a request's own trouble), logged at INFO
 _QUIET = (FailureKind.REQUEST, FailureKind.COLD_START, FailureKind.RECONNECT, FailureKind.CLIENT_GAP,
-          FailureKind.NOT_CONNECTED, FailureKind.CAPACITY, FailureKind.OUT_OF_VOCAB, FailureKind.DROPPED)
+          FailureKind.NOT_CONNECTED, FailureKind.CAPACITY, FailureKind.OUT_OF_VOCAB)
 
 
 # failures of the link, not of a request's context: such requests draft again once it is back

@@ -189,11 +189,6 @@ class DraftClient:
         anchor_tokens, anchor_positions = inp.anchors()
         plan = self._prepare(inp, recs, layout.plan_rows(counts, anchor_positions, ingest, propose))
         deferred = plan.propose.size == 0 and self.settings.ring_depth > 0
-        if deferred and inp.optional and self.ring.next_busy():
-            ids = [inp.req_ids[i] for i in plan.order.tolist() if counts[i] > 0]
-            self.book.failures.push(FailureKind.DROPPED, ids, "nobody drafts and the server is behind")
-            self.telemetry.count("dropped_ingests")
-            return live
         t0 = time.perf_counter()
         if not deferred and not self.sender.wait_idle(self.settings.timeout_s):
             raise TransportError("deferred ingests not sent within the timeout")
@@ -379,9 +374,12 @@ class DraftClient:
     def flush(self) -> None:
         """Wait until every deferred ingest is sent and every reply in flight is read (tests, shutdown)."""
         self.sender.wait_idle(self.settings.timeout_s)
-        while self.link.conn.in_flight and self.link.conn.is_open:
-            self.link.service()
-            self.link.conn.poll(0.01)
+        try:
+            while self.link.conn.in_flight and self.link.conn.is_open:
+                self.link.service()
+                self.link.conn.poll(0.01)
+        except TransportError as exc:          # a reply that will never come (the server died): as in a step,
+            self.link.lose(exc)                # the link is dropped and its requests fail closed, nothing raises
         if self._capture is not None:
             self._capture.flush(self.settings.timeout_s)
         self.book.apply()

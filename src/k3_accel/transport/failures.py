@@ -50,7 +50,6 @@ class FailureKind(str, Enum):
     OUT_OF_VOCAB = "out_of_vocab"      # the server sent a draft id outside the target's vocabulary
     SENDER = "sender"                  # the sender thread failed (treated like a socket failure)
     CAPTURE = "capture"                # a capture write failed (disables nothing)
-    DROPPED = "dropped"                # optional rows not sent: the server was behind and nobody drafted
 
 
 @dataclass(frozen=True)

@@ -190,8 +190,8 @@ class Controller:
         proposing = bool(ks.any())
         if proposing or inp.k == 0:
             out = run(inp)
-        else:                                   # nobody drafts: the rows go as an ingest, nothing waits
-            out = run(dataclasses.replace(inp, k=0, optional=True))   # (not even for a slow server)
+        else:                                   # nobody drafts: the rows still go (as an ingest), so the
+            out = run(dataclasses.replace(inp, k=0))   # server's context stays whole for when drafting pays again
             out.drafts = torch.full((len(counts), inp.k), -1, dtype=torch.int64)
         if proposing:
             self._last_wait = self.clock() - start
