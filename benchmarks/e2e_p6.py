@@ -245,9 +245,9 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
                 control.write_text(json.dumps({"length": length, "record": str(work / f"record-{b}.json"),
                                                "seed": b, "tag": name}))
                 time.sleep(0.01)
-                before = spec_counters(llm)
+                before, trouble = spec_counters(llm), _trouble(_drafter_stats(llm))
                 secs, outs = generate(llm, prompts[b], args.tokens)
-                after = spec_counters(llm)
+                after, trouble = spec_counters(llm), _trouble(_drafter_stats(llm), trouble)
                 rec = json.loads((work / f"record-{b}.json").read_text())["sequences"]
                 drafts = after.get("drafts", 0) - before.get("drafts", 0)
                 acc = after.get("accepted", 0) - before.get("accepted", 0)
@@ -258,7 +258,10 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
                          "drafts": drafts, "accepted": acc,
                          "draft_tokens": after.get("draft_tokens", 0) - before.get("draft_tokens", 0),
                          "mean_acceptance_length": 1 + acc / drafts if drafts else None,
-                         "accepted_per_position": [x / drafts for x in per_pos] if drafts else []}
+                         "accepted_per_position": [x / drafts for x in per_pos] if drafts else [],
+                         # a step that failed closed drafts the filler (the last sampled token), which this
+                         # target's constant greedy output accepts: only failure-free runs measure drafting
+                         "plugin_trouble": trouble, "valid": not trouble}
                 out.setdefault(str(length), {})[b] = entry
                 print(json.dumps({"variant": name, "length": length, "B": b, **entry}), flush=True)
                 _save(doc, args.out)
@@ -282,6 +285,21 @@ def _drafter_stats(llm) -> dict | None:
         return {"error": str(exc)[:300]}
 
 
+def _trouble(stats: dict | None, before: dict | None = None) -> dict:
+    """What went wrong in the plugin since ``before`` (this function's earlier result's base): failure
+    and disabled-request counters that grew, or why its stats could not be read. Empty: nothing."""
+    if not isinstance(stats, dict) or "error" in stats:
+        return {"stats": (stats or {}).get("error", "unavailable") if isinstance(stats, dict) else "unavailable"}
+    counts = {**(stats.get("counters") or {}), **{f"adapter.{k}": v for k, v in
+                                                (stats.get("adapter") or {}).items() if isinstance(v, int)}}
+    bad = {k: v for k, v in counts.items() if "failures" in k or k.endswith("disabled_requests")}
+    if before is None:
+        return {"_base": bad}
+    base = before.get("_base", {})
+    grew = {k: v - base.get(k, 0) for k, v in bad.items() if v > base.get(k, 0)}
+    return {**grew, **({"stats": before["stats"]} if "stats" in before else {})}
+
+
 def _stats_on_worker(worker):
     runner = worker.model_runner
     spec = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
@@ -292,7 +310,8 @@ def _stats_on_worker(worker):
 def _speedups(doc: dict, name: str) -> dict:
     """``{length: {B: speed-up}}`` of a variant, measured or read back from JSON (string keys)."""
     v = doc["variants"].get(name, {})
-    return {str(L): {str(b): e["speedup"] for b, e in v[str(L)].items()} for L in LENGTHS if str(L) in v}
+    return {str(L): {str(b): e["speedup"] if e.get("valid", True) else None for b, e in v[str(L)].items()}
+            for L in LENGTHS if str(L) in v}
 
 
 def summary(doc: dict, machine: str) -> dict:
@@ -317,11 +336,11 @@ def adaptive_summary(doc: dict, machine: str) -> dict:
     the best of the fixed choices measured in this run (K = 0, i.e. no speculation, and K = 7)."""
     ada, fixed = _speedups(doc, "adaptive"), _speedups(doc, "fixed")
     at1 = ada.get("1.0", {})
-    vs_best = {L: {b: ada[L][b] / max(1.0, fixed.get(L, {}).get(b, 0.0)) for b in ada[L]}
-               for L in ada if L != "1.0"}
+    vs_best = {L: {b: None if ada[L][b] is None or fixed.get(L, {}).get(b) is None else
+                   ada[L][b] / max(1.0, fixed[L][b]) for b in ada[L]} for L in ada if L != "1.0"}
     return {"metric": "tokens/s with the adaptive controller / without speculation at acceptance length 1, "
                       "worst over B=1,8,32 (oracle DFlash, K<=7, server on the same GPU)",
-            "ratio": min(at1.values()) if at1 else None,
+            "ratio": min(at1.values()) if at1 and None not in at1.values() else None,   # None: a run failed
             "goal": ">= 0.97 at length 1; within 5% of the best fixed K at lengths 4 and 6.5",
             "speedup_adaptive": ada, "speedup_fixed_k7": fixed,
             "adaptive_over_best_fixed_measured": vs_best,

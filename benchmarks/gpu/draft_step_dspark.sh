@@ -18,7 +18,7 @@ timeout "${TEST_TIMEOUT:-100}" python3 -m pytest -q --noconftest -p no:cacheprov
     tests/test_dspark_gpu.py > "$OUT/gpu-tests.log" 2>&1
 echo "dspark gpu tests rc=$? after $((SECONDS - start)) s"
 tail -25 "$OUT/gpu-tests.log"
-left=$((225 - (SECONDS - start)))
+left=$((${DSPARK_TOTAL_S:-225} - (SECONDS - start)))
 if [ "$left" -gt 20 ]; then
   timeout "$left" python3 -m pytest -q -x --noconftest -p no:cacheprovider \
       tests/test_dflash_gpu.py > "$OUT/dflash-gpu-tests.log" 2>&1

@@ -53,6 +53,9 @@ class HostFence:
         with self._cond:
             return self._cond.wait_for(lambda: self._value >= seq, timeout)
 
+    def value(self) -> int:
+        return self._value
+
     def close(self) -> None:
         self.signal(_RELEASED)
 
@@ -105,6 +108,10 @@ class StreamFence:
         # x86 stores are not reordered with earlier stores: the reply written before is visible first
         if seq > self._word.value:
             self._word.value = seq
+
+    def value(self) -> int:
+        """The word's value now (diagnosis)."""
+        return int(self._word.value)
 
     def close(self) -> None:
         """Release every wait, now and later (the word stays mapped: a stream may still read it)."""

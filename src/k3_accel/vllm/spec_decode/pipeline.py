@@ -66,6 +66,7 @@ class DraftPipeline:
         self._thread = threading.Thread(target=self._run, name="k3-draft", daemon=True)
         self._thread.start()
         self._pending: dict[int, float] = {}          # fence value -> when submitted (monotonic)
+        self._where: dict[str, Any] = {"jobs": 0, "last_done": 0}   # the draft thread's progress (diagnosis)
         self._lock = threading.Lock()
         self.stalled = False
         self.stall_s = stall_s
@@ -149,6 +150,7 @@ class DraftPipeline:
                 if job is _STOP:
                     return
                 fn, reply = job
+                self._where["jobs"] += 1
                 try:
                     value = fn(self.client)
                     if reply is not None:
@@ -166,6 +168,7 @@ class DraftPipeline:
 
     def _step(self, launch: Any, seq: int | None) -> None:
         rows = self.reply[seq % 2] if seq is not None else None
+        self._where.update(step=seq, phase="wait_ready", since=time.monotonic())
         try:
             try:
                 # the slot's previous reply (step seq - 2) is copied to the device before this
@@ -174,6 +177,7 @@ class DraftPipeline:
                 if rows is not None:
                     rows.fill_(-1)
                     self.confidence[seq % 2].fill_(-1.0)
+                self._where["phase"] = "step_input"
                 inp = launch.step_input()
             except Exception:  # noqa: BLE001 - fail closed: the reply is -1
                 if rows is not None:
@@ -181,6 +185,7 @@ class DraftPipeline:
                 self.on_failure("step_input", "building the step input")
                 return
             try:
+                self._where["phase"] = "client_step"
                 out = self.run_step(inp)
             except Exception:  # noqa: BLE001
                 self.on_failure("step", "the remote draft step")
@@ -196,6 +201,7 @@ class DraftPipeline:
                 self.fence.signal(seq)
                 with self._lock:
                     self._pending.pop(seq, None)
+                self._where.update(last_done=seq, phase="done")
 
     def overdue(self, now: float) -> int | None:
         """The fence value of the oldest submitted step still unfinished ``stall_s`` after its
@@ -216,8 +222,9 @@ class DraftPipeline:
                 continue
             self.stalled = True
             log.error("k3-accel: the draft thread has not finished step %d after %.1f s; the GPU is released "
-                      "and remote drafting is off for this engine (output unchanged). Every thread's stack "
-                      "follows on stderr.", seq, self.stall_s)
+                      "and remote drafting is off for this engine (output unchanged). Draft thread: %s; "
+                      "jobs queued %d; fence word %s; every thread's stack follows on stderr.", seq, self.stall_s,
+                      {k: v for k, v in self._where.items()}, self._jobs.qsize(), self.fence.value())
             try:
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             except Exception:  # noqa: BLE001 - diagnosis only
