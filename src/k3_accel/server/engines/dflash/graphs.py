@@ -8,6 +8,12 @@ host-to-device copy from a pinned buffer, the replay, one device-to-host copy of
 memory and an event after it: whoever needs the ids waits on that event, the
 step's only host synchronisation (the server reads its socket meanwhile). Graphs
 share one memory pool and are captured largest bucket first.
+
+Every replay gets its own pinned buffers and event (PyTorch's caching host allocator hands a
+freed one out again only once its copies are done): the server launches one replay per group
+of a batch (one per ``k``) before it reads any, and a test compares a greedy and a sampled
+replay afterwards. Shared buffers let the later replay overwrite the earlier one's drafts
+(and the inputs of a copy still in flight).
 """
 from __future__ import annotations
 
@@ -41,28 +47,23 @@ class GraphRunner:
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.captured_k: set[int] = set()
-        self.mempool = torch.cuda.graph_pool_handle()
+        self.cuda = engine.device.type == "cuda"
+        self.mempool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._size()
 
     def _size(self) -> None:
         eng = self.engine
         rows = eng.pool.block_rows
         self.width = min(eng.pool.num_blocks, triton.cdiv(eng.weights.cos_sin.shape[0], rows))
-        top, kmax = self.buckets[-1], eng.caps.max_spec_tokens
-        self.host_in = torch.zeros(top * (2 + self.width), dtype=torch.int32, pin_memory=True)
-        self.host_out = torch.zeros(top * max(1, kmax), dtype=torch.int64, pin_memory=True)
-        self.host_conf = (torch.zeros(top * max(1, kmax), dtype=torch.float32, pin_memory=True)
-                          if eng.caps.confidence else None)
-        self.host_temp = self.host_seeds = None
-        if eng.caps.sampling:
-            self.host_temp = torch.zeros(top, dtype=torch.float32, pin_memory=True)
-            self.host_seeds = torch.zeros(top, dtype=torch.int64, pin_memory=True)
-        self.done = torch.cuda.Event()
 
     def reset(self) -> None:
         """Forget every graph (the RoPE table moved); captured k values come back lazily."""
         self.graphs.clear()
         self._size()
+
+    def _host(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed host buffer of this replay alone (pinned on CUDA)."""
+        return torch.zeros(n, dtype=dtype, pin_memory=self.cuda)
 
     @torch.inference_mode()
     def capture(self, k: int) -> None:
@@ -70,51 +71,60 @@ class GraphRunner:
         for bucket in reversed(self.buckets):
             inputs = torch.zeros(bucket * (2 + self.width), dtype=torch.int32, device=eng.device)
             batch = eng.device_batch(inputs, bucket, self.width, k)
-            if self.host_temp is not None:
+            if eng.caps.sampling:
                 batch.temperature = torch.zeros(bucket, dtype=torch.float32, device=eng.device)
                 batch.seeds = torch.zeros(bucket, dtype=torch.int64, device=eng.device)
-            with eng._on_device():                     # warm up: Triton JIT, cuBLAS plans
-                eng.drafts(batch)
-            eng.stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.mempool, stream=eng.stream,
-                                  capture_error_mode="thread_local"):
-                out = eng.drafts(batch)
+            graph, out = self._record(batch)
             tokens, confidence = out if isinstance(out, tuple) else (out, None)
             self.graphs[(bucket, k)] = _Graph(graph, inputs, tokens, confidence, batch.temperature, batch.seeds)
         self.captured_k.add(k)
+
+    def _record(self, batch: Any) -> tuple[Any, Any]:
+        """The graph of ``engine.drafts(batch)`` (anything with ``replay()``) and its outputs."""
+        eng = self.engine
+        with eng._on_device():                     # warm up: Triton JIT, cuBLAS plans
+            eng.drafts(batch)
+        eng.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool, stream=eng.stream,
+                              capture_error_mode="thread_local"):
+            out = eng.drafts(batch)
+        return graph, out
 
     def run(self, anchors: torch.Tensor, states: list[BlockTable], k: int, batch: Any = None
             ) -> tuple[torch.Tensor, torch.cuda.Event, torch.Tensor | None] | None:
         """Draft ids ``[R, k]`` in pinned host memory, the event after which they are
         there and their confidence (or None), or None when no graph fits (the caller runs
         the step eagerly). ``batch``: the ``ProposeBatch`` (its temperatures and seeds).
-        Valid until the next call. Call on the engine's stream."""
+        The host buffers are this call's own: later calls leave them alone. Call on the
+        engine's stream."""
         r = len(states)
         bucket = next((b for b in self.buckets if b >= r), None)
         if bucket is None or max(len(s.blocks) for s in states) > self.width:
             return None
         if (bucket, k) not in self.graphs:
             self.capture(k)
-        g = self.graphs[(bucket, k)]
-        n = bucket * (2 + self.width)
-        self.engine.host_inputs(anchors, states, bucket, self.width, out=self.host_in[:n].numpy())
-        g.inputs.copy_(self.host_in[:n], non_blocking=True)
-        if g.temperature is not None:
-            temp, seeds = self.host_temp[:bucket], self.host_seeds[:bucket]
-            temp.zero_()
+        g, eng = self.graphs[(bucket, k)], self.engine
+        host_in = self._host(bucket * (2 + self.width), torch.int32)
+        eng.host_inputs(anchors, states, bucket, self.width, out=host_in.numpy())
+        g.inputs.copy_(host_in, non_blocking=True)
+        if g.temperature is not None:              # padding rows: temperature 0, seed 0
+            temp, seeds = self._host(bucket, torch.float32), self._host(bucket, torch.int64)
             if batch is not None and batch.temperature is not None:
                 temp[:r] = batch.temperature
                 seeds[:r] = batch.seeds
             g.temperature.copy_(temp, non_blocking=True)
             g.seeds.copy_(seeds, non_blocking=True)
         g.graph.replay()
-        out = self.host_out[:bucket * k].view(bucket, k)
+        out = self._host(bucket * k, torch.int64).view(bucket, k)
         out.copy_(g.tokens, non_blocking=True)
         conf = None
         if g.confidence is not None:
-            conf = self.host_conf[:bucket * k].view(bucket, k)
+            conf = self._host(bucket * k, torch.float32).view(bucket, k)
             conf.copy_(g.confidence, non_blocking=True)
             conf = conf[:r]
-        self.done.record(self.engine.stream)
-        return out[:r], self.done, conf
+        done = None
+        if eng.stream is not None:
+            done = torch.cuda.Event()
+            done.record(eng.stream)
+        return out[:r], done, conf
