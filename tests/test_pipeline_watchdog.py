@@ -7,7 +7,9 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from k3_accel.vllm.spec_decode.fence import HostFence
 from k3_accel.vllm.spec_decode.pipeline import DraftPipeline, PipelineClosed
@@ -81,4 +83,93 @@ def test_finished_steps_are_never_overdue_however_long_the_engine_idles(steps):
     finally:
         for launch in launches:
             launch.gate.set()
+        pipe.close(5)
+
+
+class Out:
+    def __init__(self, drafts):
+        self.drafts, self.extra = drafts, {}
+
+
+class GatedClient(NoClient):
+    """The client's step waits for ``gate`` (a server that paused: a first-use compile, a full ring)."""
+    def __init__(self):
+        self.gate, self.entered, self.done = threading.Event(), threading.Event(), threading.Event()
+
+    def step(self, inp):
+        self.entered.set()
+        self.gate.wait()
+        self.done.set()
+        return Out(torch.full((len(inp.keep), inp.k), 7, dtype=torch.int64))
+
+
+class ReadyLaunch:
+    """A launched step whose copy is done (no event): ``keep`` = the kept batch rows."""
+    def __init__(self, keep, k):
+        self.keep, self.k, self.released = np.asarray(keep), k, threading.Event()
+
+    def wait_ready(self):
+        pass
+
+    def step_input(self):
+        return self
+
+    def release(self):
+        self.released.set()
+
+
+def test_the_gpu_waits_no_longer_than_the_deadline_and_late_drafts_are_never_written():
+    """A proposing step whose drafts do not come within the deadline releases the GPU with "no
+    drafts" while the draft thread is still at it; the pipeline is then behind (the speculator asks
+    for nothing the GPU would wait on), the late drafts never land in the reply, and once the thread
+    has caught up the next step drafts as usual. Nothing is turned off: a pause is not a failure."""
+    failures: list[str] = []
+    client = GatedClient()
+    pipe = DraftPipeline(client, HostFence(), 4, 3, lambda kind, what: failures.append(kind),
+                         stall_s=3600, deadline_s=0.05)
+    try:
+        first = ReadyLaunch([0, 2], 3)
+        seq = pipe.submit(first, propose=True)
+        assert client.entered.wait(60)
+        assert pipe.fence.wait(seq, timeout=60)                # released ...
+        assert not client.done.is_set()                        # ... while the step still waits for the server
+        assert pipe.behind and failures == ["deadline"]
+        assert (pipe.reply_rows(seq, 4, 3) == -1).all()
+        client.gate.set()
+        assert first.released.wait(60)
+        assert pipe.call(lambda c: "caught up", timeout=60) == "caught up"
+        assert not pipe.behind
+        assert (pipe.reply_rows(seq, 4, 3) == -1).all()        # the late drafts were dropped, not written
+        second = ReadyLaunch([1], 3)
+        seq2 = pipe.submit(second, propose=True)
+        assert pipe.fence.wait(seq2, timeout=60)
+        assert pipe.reply_rows(seq2, 4, 3)[1].tolist() == [7, 7, 7]
+        assert pipe.alive and not pipe.stalled and failures == ["deadline"]
+    finally:
+        client.gate.set()
+        pipe.close(5)
+
+
+def test_a_step_is_timed_from_when_the_gpu_reaches_it():
+    """The deadline counts from the launch event's completion (the GPU got there), not from the
+    submission: a step whose copy has not run yet is never released early."""
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+    pipe = DraftPipeline(GatedClient(), HostFence(), 4, 3, lambda kind, what: None)   # no watch thread:
+    pipe.deadline_s = 1.0                                                                  # this test drives expire()
+    launch = ReadyLaunch([0], 3)
+    launch.ready = Event()
+    try:
+        with pipe._lock:
+            pipe._pending[1] = [0.0, launch, None]
+        assert pipe.expire(100.0) == []                         # long after submission, but not reached yet
+        launch.ready.done = True
+        assert pipe.expire(100.0) == []                         # reached now: its clock starts here
+        assert pipe.expire(100.5) == [] and pipe.expire(101.0) == [1]
+        assert pipe.fence.wait(1, timeout=0)
+    finally:
         pipe.close(5)

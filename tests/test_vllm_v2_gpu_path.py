@@ -358,3 +358,25 @@ def test_fewer_drafts_reach_vllm(vllm_config, tp_group, ngram_server, monkeypatc
         assert "acceptance_per_position" in client_stats(spec)["controller"]     # visible in the stats
     finally:
         spec.close()
+
+
+def test_a_step_behind_the_deadline_asks_for_no_drafts_but_ships_its_rows(speculator, sim):
+    """While a step the GPU deadline released is still running on the draft thread, later steps
+    ask the server for nothing (the GPU would only wait for the deadline again) yet ship their rows,
+    so the server's context stays whole and drafting resumes once the thread has caught up."""
+    a = [1, 2, 3, 1, 2]
+    sim.add("a", a)
+    pipe = speculator.core.session.pipeline
+    with pipe._lock:
+        pipe._expired.add(10 ** 9)                             # as if a released step still ran
+    try:
+        d = sim.propose(speculator, [Sched("a", 0, a, sampled=3)])
+        assert d.tolist() == [[3] * K]                         # no drafts: the last sampled token
+        speculator.flush()
+        stats = server_stats(speculator)
+        assert not stats["ops"].get("propose") and stats["ops"].get("ingest")
+    finally:
+        with pipe._lock:
+            pipe._expired.discard(10 ** 9)
+    d = sim.propose(speculator, [Sched("a", len(a), [3], sampled=1)])
+    assert d.tolist() == [expected_v2(a + [3], 1)]             # the context the server kept is whole

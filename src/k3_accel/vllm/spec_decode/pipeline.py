@@ -12,12 +12,22 @@ It hands this thread work in step order:
 * :meth:`DraftPipeline.call` — anything else (frees, stats, a V1 step whose
   input is already on the host), run in order and awaited.
 
-A watchdog bounds what the GPU can be made to wait: when a submitted step's
-fence value is still not signalled ``stall_s`` after its submission (longer
-than any wait the draft thread takes on its own: its transport deadlines are
-shorter), it logs every thread's stack once (where it is stuck), releases the
-fence for good and closes the pipeline: remote drafting is off for this
-engine, its output unchanged (the drafts then read are verified like any).
+The GPU never waits for the draft thread longer than ``deadline_s`` per step
+(the propose timeout plus a margin): the watch thread notes when the GPU reached
+a proposing step (its launch event completed) and, that long after, releases the
+step's fence with "no drafts" in its reply (the step's work goes on: its rows
+still reach the server, its late drafts are never written). While such a step
+is unfinished the pipeline is :attr:`behind` and the speculator asks for no
+drafts (nothing for the GPU to wait on) until the thread has caught up. Without
+it a server that paused (a first-use compile, a full staging ring) held the GPU
+for as long as the transport's generous timeouts (30 s each), twice in a row on
+the H200.
+
+A watchdog bounds the rest: when a submitted step is still unfinished
+``stall_s`` after its submission (longer than any wait the draft thread takes
+on its own), it logs where the thread is and every thread's stack once,
+releases the fence for good and closes the pipeline: remote drafting is off
+for this engine, its output unchanged (the drafts then read are verified like any).
 
 The client is started on this thread too, so an unreachable server never
 delays the runner's construction.
@@ -50,7 +60,8 @@ class DraftPipeline:
     """Owns ``client`` (a started-on-demand :class:`~k3_accel.transport.client.DraftClient`)."""
 
     def __init__(self, client: Any, fence: Any, max_reqs: int, k: int, on_failure: Callable[[str, str], None],
-                 start_wait_s: float = 1.0, controller: Any = None, stall_s: float | None = None):
+                 start_wait_s: float = 1.0, controller: Any = None, stall_s: float | None = None,
+                 deadline_s: float | None = None):
         self.client = client
         self.controller = controller
         self.fence = fence
@@ -65,12 +76,16 @@ class DraftPipeline:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="k3-draft", daemon=True)
         self._thread.start()
-        self._pending: dict[int, float] = {}          # fence value -> when submitted (monotonic)
+        self._pending: dict[int, list] = {}           # fence value -> [submitted, launch, GPU reached it] (monotonic)
+        self._expired: set[int] = set()                # released by the deadline, still running
+        self.deadline_s = deadline_s
+        self.expired_steps = 0
         self._where: dict[str, Any] = {"jobs": 0, "last_done": 0}   # the draft thread's progress (diagnosis)
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
         self.stalled = False
         self.stall_s = stall_s
-        if stall_s is not None:
+        if stall_s is not None or deadline_s is not None:
             threading.Thread(target=self._watch, name="k3-draft-watchdog", daemon=True).start()
         self.call(lambda c: c.start(start_wait_s), wait=False)
 
@@ -86,7 +101,8 @@ class DraftPipeline:
             self._seq += 1
             seq = self._seq
             with self._lock:
-                self._pending[seq] = time.monotonic()
+                self._pending[seq] = [time.monotonic(), launch, None]
+                self._wake.notify()
         self._jobs.put((lambda client: self._step(launch, seq), None))
         return seq
 
@@ -192,32 +208,75 @@ class DraftPipeline:
                 return
             if rows is not None and inp.k > 0 and out.drafts.numel():
                 keep = torch.from_numpy(np.asarray(launch.keep, dtype=np.int64))
-                rows[keep, :inp.k] = out.drafts
-                if "confidence" in out.extra:
-                    self.confidence[seq % 2][keep, :inp.k] = out.extra["confidence"].float()
+                with self._lock:                   # a step the deadline released keeps its "no drafts"
+                    if seq not in self._expired:
+                        rows[keep, :inp.k] = out.drafts
+                        if "confidence" in out.extra:
+                            self.confidence[seq % 2][keep, :inp.k] = out.extra["confidence"].float()
         finally:
             launch.release()
             if seq is not None:
                 self.fence.signal(seq)
                 with self._lock:
                     self._pending.pop(seq, None)
+                    self._expired.discard(seq)
                 self._where.update(last_done=seq, phase="done")
+
+    @property
+    def behind(self) -> bool:
+        """A step the deadline released is still running: the GPU should not wait for drafts now."""
+        return bool(self._expired)
+
+    def expire(self, now: float) -> list[int]:
+        """Release the GPU from every proposing step it reached ``deadline_s`` or more before ``now``
+        (a ``time.monotonic`` value) whose drafts are not in: "no drafts" in its reply, its fence
+        signalled. Returns their fence values. The GPU has "reached" a step when its launch event
+        completed (a host-side query; at once for a launch without one), noted here."""
+        if self.deadline_s is None:
+            return []
+        with self._lock:
+            due = []
+            for seq, entry in self._pending.items():
+                if entry[2] is None:
+                    ready = getattr(entry[1], "ready", None)
+                    if ready is None or ready.query():
+                        entry[2] = now
+                if entry[2] is not None and seq not in self._expired and now - entry[2] >= self.deadline_s:
+                    due.append(seq)
+            for seq in due:
+                self.reply[seq % 2].fill_(-1)
+                self.confidence[seq % 2].fill_(-1.0)
+                self._expired.add(seq)
+            if due:
+                self.fence.signal(max(due))
+                self.expired_steps += len(due)
+        return due
 
     def overdue(self, now: float) -> int | None:
         """The fence value of the oldest submitted step still unfinished ``stall_s`` after its
         submission at ``now`` (a ``time.monotonic`` value), else None; finished steps never count."""
         with self._lock:
             seq = min(self._pending, default=None)          # fence values grow: the smallest is the oldest
-            since = self._pending.get(seq)
+            since = self._pending[seq][0] if seq is not None else None
         if since is None or self.stall_s is None or now - since < self.stall_s:
             return None
         return seq
 
+    def _interval(self) -> float:
+        if self.deadline_s is not None and self._pending:
+            return min(max(self.deadline_s / 4, 0.002), 0.05)
+        return min(0.5, self.stall_s / 4) if self.stall_s is not None else 0.5
+
     def _watch(self) -> None:
-        """The watchdog (see the module docstring)."""
+        """The deadline and the watchdog (see the module docstring)."""
         while not self._closed:
-            time.sleep(min(0.5, self.stall_s / 4))
-            seq = self.overdue(time.monotonic())
+            with self._lock:
+                self._wake.wait(self._interval())
+            now = time.monotonic()
+            for late in self.expire(now):
+                self.on_failure("deadline", f"the draft step {late} within {self.deadline_s * 1e3:.0f} ms "
+                                "of the GPU reaching it (the GPU went on without its drafts)")
+            seq = self.overdue(now)
             if seq is None:
                 continue
             self.stalled = True

@@ -137,6 +137,11 @@ def broadcaster(group: Any, device: torch.device):
     return lambda t: dist.broadcast(t, src=src, group=group.cpu_group)
 
 
+# how much longer than the propose timeout the GPU may wait for a step's drafts (the device-to-host
+# copy, the thread's wake-up, building and staging the message): see pipeline.py
+DEADLINE_MARGIN_S = 0.05
+
+
 class RemoteDraftSession:
     """The rank-0 draft thread plus the broadcast that gives every TP rank the same drafts."""
 
@@ -156,7 +161,8 @@ class RemoteDraftSession:
             self.pipeline = DraftPipeline(DraftClient(settings), make_fence(device), self.facts.max_num_seqs,
                                           self.facts.num_speculative_tokens, self._thread_failure,
                                           controller=make_controller(from_vllm(vllm_config), self.facts),
-                                          stall_s=2 * settings.timeout_s + 5.0)
+                                          stall_s=2 * settings.timeout_s + 5.0,
+                                          deadline_s=settings.propose_timeout_s + DEADLINE_MARGIN_S)
             log.info("k3-accel: remote drafting via %s (method=%s, K=%d, context width %d)",
                      settings.address, self.facts.method, self.facts.num_speculative_tokens,
                      self.facts.context_width)
