@@ -380,3 +380,30 @@ def test_a_step_behind_the_deadline_asks_for_no_drafts_but_ships_its_rows(specul
             pipe._expired.discard(10 ** 9)
     d = sim.propose(speculator, [Sched("a", len(a), [3], sampled=1)])
     assert d.tolist() == [expected_v2(a + [3], 1)]             # the context the server kept is whole
+
+
+def test_a_hung_draft_thread_never_holds_the_step(vllm_config, tp_group, ngram_server, sim, monkeypatch):
+    """The draft thread hangs (a server that paused for a compile, a full staging ring): every step
+    still returns, with no drafts, while it hangs — the fence by the GPU deadline, the launch slots
+    by the same bound (then the rows are not shipped and the step fails closed), never the transport's
+    30 s. On the H200 this held vLLM's engine for 65 s."""
+    import threading
+    spec = _speculator(vllm_config, sim, ngram_server.address, monkeypatch, VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS="200",
+                       VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS="600000")
+    gate = threading.Event()
+    opener = threading.Timer(60, gate.set)                    # a step that waited for the thread returns only after this
+    opener.start()
+    try:
+        spec.core.session.pipeline.call(lambda c: gate.wait(), wait=False)    # the draft thread hangs
+        drafts = []
+        for i in range(4):                                    # more steps than launch slots
+            rid, prompt = f"r{i}", [5, 6, 7, 5, 6 + i]
+            sim.add(rid, prompt)
+            drafts.append(sim.propose(spec, [Sched(rid, 0, prompt, sampled=9)]).tolist())
+        assert not gate.is_set()                              # all four returned while it hung
+        assert drafts == [[[9] * K]] * 4                       # no drafts: the last sampled token
+        assert spec.core.counters["failures.step_input"] >= 1  # a step without a free slot failed closed
+    finally:
+        opener.cancel()
+        gate.set()
+        spec.close()

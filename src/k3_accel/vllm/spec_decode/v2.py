@@ -237,7 +237,7 @@ class RemoteSpeculatorMixin:
         try:
             step = launch(self.rows, self.slots, input_batch, aux if session.ships_hidden else None,
                           num_sampled, num_rejected, last_sampled, next_prefill_tokens, keep, k,
-                          history_rows(input_batch, keep, fresh), self._token_rows(), session.settings.timeout_s,
+                          history_rows(input_batch, keep, fresh), self._token_rows(), self._slot_wait_s(session),
                           self._sampling if k > 0 else None)
             return session.pipeline.submit(step, propose=k > 0)
         except Exception:  # noqa: BLE001 - fail closed
@@ -266,6 +266,15 @@ class RemoteSpeculatorMixin:
         session.broadcast(cols)
         if conf is not None:
             session.broadcast(conf)
+
+    @staticmethod
+    def _slot_wait_s(session) -> float:
+        """How long the step thread may wait for a launch slot (the draft thread is that many steps
+        behind): the GPU deadline, never the transport's timeout. Past it the step's rows are not
+        shipped and their requests fail closed (a gap the client then finds), rather than the engine
+        waiting for a server that paused."""
+        deadline = session.pipeline.deadline_s
+        return deadline if deadline is not None else session.settings.timeout_s
 
     def _token_rows(self) -> torch.Tensor | None:
         """vLLM's ``all_token_ids`` by slot (UVA or device): the history of requests to attach."""
