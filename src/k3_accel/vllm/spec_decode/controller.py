@@ -16,7 +16,7 @@ noticed. Everything it uses is measured:
   drafts this controller handed out the step before;
 * **the target step's time** as ``a + b * tokens`` (a robust line, Theil-Sen, over
   the last step periods it sees, the draft wait taken out; stalls left out);
-* **the draft round trip**: how long the steps that proposed waited.
+* **the draft round trip**: the median wait of the recent steps that proposed.
 
 With survival ``s_ij`` (request ``i``'s first ``j`` drafts all accepted) the
 best prefix of the ``s_ij`` sorted descending maximises
@@ -103,7 +103,9 @@ class Acceptance:
 
 class StepCost:
     """``T(tokens) = a + b * tokens`` by Theil-Sen over the last ``window`` step periods (the
-    median of the pairwise slopes, then the median intercept); the draft wait ``D`` by EWMA.
+    median of the pairwise slopes, then the median intercept); the draft wait ``D`` as the median
+    of the last ``window`` waits of proposing steps (one reply seconds late, a server's first-use
+    compile, barely moves it; an average held speculation off for hundreds of steps).
 
     Robust to stalls (a kernel compile on a GPU engine's first steps, a GC pause): a few
     periods hundreds of times too long move a median little, and once a few steps are measured
@@ -121,7 +123,7 @@ class StepCost:
         self.s = s
         self.x: deque[float] = deque(maxlen=self.window)     # tokens of each measured step
         self.y: deque[float] = deque(maxlen=self.window)     # its period (seconds)
-        self.round_trip: float | None = None
+        self.waits: deque[float] = deque(maxlen=self.window)
         self.stalls = 0
         self._line: tuple[float, float] | None = None
 
@@ -140,7 +142,11 @@ class StepCost:
         self._line = None
 
     def observe_round_trip(self, seconds: float) -> None:
-        self.round_trip = seconds if self.round_trip is None else 0.8 * self.round_trip + 0.2 * seconds
+        self.waits.append(float(seconds))
+
+    @property
+    def round_trip(self) -> float | None:
+        return float(np.median(self.waits)) if self.waits else None
 
     def line(self) -> tuple[float, float]:
         """``(a, b)``, both >= 0."""
