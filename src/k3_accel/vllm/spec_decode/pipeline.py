@@ -274,8 +274,8 @@ class DraftPipeline:
                 self._wake.wait(self._interval())
             now = time.monotonic()
             for late in self.expire(now):
-                self.on_failure("deadline", f"the draft step {late} within {self.deadline_s * 1e3:.0f} ms "
-                                "of the GPU reaching it (the GPU went on without its drafts)")
+                self.on_failure("deadline", f"delivering step {late}'s drafts within {self.deadline_s * 1e3:.0f} "
+                                "ms of the GPU reaching it")
             seq = self.overdue(now)
             if seq is None:
                 continue
