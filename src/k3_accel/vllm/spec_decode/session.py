@@ -161,7 +161,9 @@ class RemoteDraftSession:
             self.pipeline = DraftPipeline(DraftClient(settings), make_fence(device), self.facts.max_num_seqs,
                                           self.facts.num_speculative_tokens, self._thread_failure,
                                           controller=make_controller(from_vllm(vllm_config), self.facts),
-                                          stall_s=2 * settings.timeout_s + 5.0,
+                                          # past the longest a healthy step can take (its sender, ring and
+                                          # device-slot waits, each up to the timeout); the GPU has the deadline
+                                          stall_s=4 * settings.timeout_s + 5.0,
                                           deadline_s=settings.propose_timeout_s + DEADLINE_MARGIN_S)
             log.info("k3-accel: remote drafting via %s (method=%s, K=%d, context width %d)",
                      settings.address, self.facts.method, self.facts.num_speculative_tokens,
