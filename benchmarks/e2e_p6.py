@@ -1,11 +1,12 @@
 """Issue 27, P6: end-to-end tokens/s with remote DFlash drafting / without speculation, in vLLM 0.33.
 
 On the GPU machine (``benchmarks/gpu/vllm_e2e.sh p6``). Target: Qwen3-8B's shape (36 layers,
-hidden 4096, 32/8 heads, ffn 12288, vocab 151936), bf16, vLLM's random ``dummy`` weights, with
-the final norm's weight zeroed after loading (``--head zero``, the default): every logit is then
-0 and greedy picks id 0 in every kernel and batch shape, so the recorded continuation is exactly
-what verification will sample (with random weights bf16 near-ties flip between batch shapes and
-the record would drift); every layer still computes in full. Draft: the oracle engine
+hidden 4096, 32/8 heads, ffn 12288, vocab 151936), bf16, vLLM's random ``dummy`` weights, set after
+loading so that greedy output is the next id (``--head shift``, the default: :func:`_shift_head`)
+in every kernel and batch shape, so the recorded continuation is exactly what verification will
+sample (with random weights bf16 near-ties flip between batch shapes and the record would drift);
+every layer still computes in full. (``--head zero``, used before: id 0 forever, which a step that
+failed closed, drafting its last sampled id, also "predicts".) Draft: the oracle engine
 (``oracle_engine.py``) at the Qwen3-8B DFlash shape (5 layers, random, on the device): the DFlash
 engine's full step, then the recorded greedy continuation with vLLM's acceptance schedule. The
 draft server runs on the same GPU as the target (it competes with it).
@@ -113,6 +114,26 @@ def _zero_head(worker) -> int:
     return n
 
 
+def _shift_head(worker) -> int:
+    """Greedy output = the next id (t -> t + 1), in every kernel and batch shape: every layer's
+    attention and MLP output projections are zeroed (they still run in full), so the final hidden
+    state is the token's own embedding; the final norm's weight is 1 and the lm_head row of id v is
+    the embedding of v - 1, so the largest logit is that of t + 1 (the embedding's norm against
+    random cross terms: a wide margin). Unlike ``zero`` (id 0 forever), a step that failed closed
+    (its filler is the last sampled id) is rejected, so only real drafts are accepted."""
+    import torch
+    runner = worker.model_runner
+    model = getattr(runner, "model", None) or getattr(runner, "get_model")()
+    params = dict(model.named_parameters())
+    outs = [p for n, p in params.items() if n.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))]
+    for p in outs:
+        p.data.zero_()
+    params["model.norm.weight"].data.fill_(1.0)
+    emb, head = params["model.embed_tokens.weight"], params["lm_head.weight"]
+    head.data.copy_(torch.roll(emb.data, shifts=1, dims=0))
+    return len(outs)
+
+
 def spec_counters(llm) -> dict:
     out: dict = {}
     for m in llm.get_metrics():
@@ -202,6 +223,8 @@ def make_llm(target: str, args, **extra):
               gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=False, seed=0, **extra)
     if args.head == "zero":
         assert llm.collective_rpc(_zero_head)[0] == 1
+    elif args.head == "shift":
+        assert llm.collective_rpc(_shift_head)[0] > 0
     return llm
 
 
@@ -354,7 +377,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--head", choices=["zero", "dummy"], default="zero")
+    ap.add_argument("--head", choices=["shift", "zero", "dummy"], default="shift")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--plugin", default="{}",
                     help='more additional_config["k3_accel"] keys as JSON, e.g. \'{"adaptive": "off"}\' for a fixed K')
