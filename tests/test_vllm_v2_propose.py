@@ -31,6 +31,7 @@ def speculator(vllm_config, tp_group, ngram_server, sim, monkeypatch):
     hooks.install_v2()
     monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", ngram_server.address)
     monkeypatch.setenv("VLLM_K3_DRAFT_ADAPTIVE", "off")         # a fixed K: these tests check exact drafts
+    monkeypatch.setenv("VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS", "20000")   # (a CPU server on a busy box: not timing)
     spec = spec_decode.init_speculator(vllm_config, torch.device("cpu"), sim.req_states)
     assert type(spec).__name__ == "RemoteSpeculatorV2"
     yield spec

@@ -63,7 +63,8 @@ def _rank(rank: int, world: int, config_bytes: bytes) -> tuple:
 def test_tp2_ranks_get_identical_drafts_and_only_rank0_connects(vllm_config, ngram_server):
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_DISABLE_PYNCCL": "1",
            "VLLM_K3_DRAFT_REMOTE_ADDRESS": ngram_server.address,
-           "VLLM_K3_DRAFT_ADAPTIVE": "off"}
+           "VLLM_K3_DRAFT_ADAPTIVE": "off",
+           "VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS": "20000"}   # a CPU server on a busy box: exact drafts, not timing
     r0, r1 = run_ranks(_rank, 2, pickle.dumps(vllm_config), env=env, timeout=300)
     assert r0[:3] == (0, 2, True) and r1[:3] == (1, 2, False)
     assert r0[3] == r1[3]                                   # identical drafts on both ranks, every step
@@ -111,7 +112,8 @@ def test_tp2_every_rank_reaches_the_broadcast_when_rank0_cannot_launch(vllm_conf
     """Rank 0's launch fails in one step: it still broadcasts (no drafts), so rank 1 does not
     hang in the collective; both ranks verify the same (no) drafts, and the next step drafts."""
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_DISABLE_PYNCCL": "1",
-           "VLLM_K3_DRAFT_REMOTE_ADDRESS": ngram_server.address, "VLLM_K3_DRAFT_ADAPTIVE": "off"}
+           "VLLM_K3_DRAFT_REMOTE_ADDRESS": ngram_server.address, "VLLM_K3_DRAFT_ADAPTIVE": "off",
+           "VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS": "20000"}   # a CPU server on a busy box: exact drafts, not timing
     r0, r1 = run_ranks(_rank_launch_fails, 2, pickle.dumps(vllm_config), env=env, timeout=300)
     assert r0[0] == r1[0]                                   # the same drafts on both ranks, both steps
     failed, after = r0[0]
