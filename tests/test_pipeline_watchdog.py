@@ -173,3 +173,22 @@ def test_a_step_is_timed_from_when_the_gpu_reaches_it():
         assert pipe.fence.wait(1, timeout=0)
     finally:
         pipe.close(5)
+
+
+def test_each_step_is_timed_by_phase_in_the_clients_timings():
+    """Where a drafting step's time goes between its launch and its fence (the GPU waits for all of
+    it on V2): each phase of the draft thread once per step, in the client's timings."""
+    from k3_accel.transport.timing import Telemetry
+    client = GatedClient()
+    client.gate.set()
+    client.telemetry = Telemetry()
+    pipe = DraftPipeline(client, HostFence(), 4, 3, lambda kind, what: None)
+    try:
+        for _ in range(2):
+            assert pipe.fence.wait(pipe.submit(ReadyLaunch([0], 3), propose=True), timeout=60)
+        pipe.call(lambda c: None, timeout=60)
+        phases = client.telemetry.snapshot()["phases"]
+        names = ("v2.wait_ready", "v2.step_input", "v2.client_step", "v2.write")
+        assert all(phases[n]["count"] == 2 for n in names), phases
+    finally:
+        pipe.close(5)

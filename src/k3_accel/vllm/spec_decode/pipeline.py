@@ -184,7 +184,8 @@ class DraftPipeline:
 
     def _step(self, launch: Any, seq: int | None) -> None:
         rows = self.reply[seq % 2] if seq is not None else None
-        self._where.update(step=seq, phase="wait_ready", since=time.monotonic())
+        self._where.update(step=seq, since=time.monotonic())
+        self._enter("wait_ready")
         try:
             try:
                 # the slot's previous reply (step seq - 2) is copied to the device before this
@@ -193,7 +194,7 @@ class DraftPipeline:
                 if rows is not None:
                     rows.fill_(-1)
                     self.confidence[seq % 2].fill_(-1.0)
-                self._where["phase"] = "step_input"
+                self._enter("step_input")
                 inp = launch.step_input()
             except Exception:  # noqa: BLE001 - fail closed: the reply is -1
                 if rows is not None:
@@ -201,11 +202,12 @@ class DraftPipeline:
                 self.on_failure("step_input", "building the step input")
                 return
             try:
-                self._where["phase"] = "client_step"
+                self._enter("client_step")
                 out = self.run_step(inp)
             except Exception:  # noqa: BLE001
                 self.on_failure("step", "the remote draft step")
                 return
+            self._enter("write")
             if rows is not None and inp.k > 0 and out.drafts.numel():
                 keep = torch.from_numpy(np.asarray(launch.keep, dtype=np.int64))
                 with self._lock:                   # a step the deadline released keeps its "no drafts"
@@ -220,7 +222,19 @@ class DraftPipeline:
                 with self._lock:
                     self._pending.pop(seq, None)
                     self._expired.discard(seq)
-                self._where.update(last_done=seq, phase="done")
+                self._where["last_done"] = seq
+            self._enter(None)
+
+    def _enter(self, phase: str | None) -> None:
+        """The draft thread moves on to ``phase`` (None: the step is done); the time it spent in the
+        previous one goes to the client's phase timings as ``v2.<phase>``: where a step's time
+        goes between its launch and its fence (``wait_ready`` includes the GPU reaching the launch)."""
+        now = time.perf_counter()
+        prev, since = self._where.get("phase"), self._where.get("t")
+        telemetry = getattr(self.client, "telemetry", None)
+        if telemetry is not None and prev not in (None, "done") and since is not None:
+            telemetry.add(f"v2.{prev}", now - since)
+        self._where.update(phase=phase or "done", t=now)
 
     @property
     def behind(self) -> bool:
