@@ -76,15 +76,22 @@ def test_slot_is_not_rewritten_before_its_reply_and_ring_applies_back_pressure(r
 
 def test_relay_detects_a_slot_reused_too_early(relay, client_factory, monkeypatch):
     """The check above has teeth: a ring that ignores holds corrupts what the server gets."""
+    from k3_accel.transport.sender import SendJob
     client = client_factory(relay.address, ring_depth=1, max_rows=ROWS, timeout_ms=20000)
     monkeypatch.setattr(StagingRing, "busy", lambda self, slot: False)
     steps = [chunk(s) for s in range(3)]
+    gate = threading.Event()
+    # the sender is held until every step has rewritten the only slot (whether the wire or the kernel's
+    # socket buffers took the first frames in time depended on the load: the check must not)
+    client.sender.submit(SendJob(build=lambda: gate.wait(60)))
     relay.pause()
-    for s in steps:                                     # each step rewrites the only slot at once
-        client.step(ingest_step(*s))
-    relay.resume()
+    try:
+        for s in steps:                                 # each step rewrites the only slot at once
+            client.step(ingest_step(*s))
+    finally:
+        gate.set()
+        relay.resume()
     assert wait_until(lambda: len(forwarded_ingests(relay)) == 3)
-    # the paused relay's own queue may absorb the first message; later ones sit in the client
     assert forwarded_ingests(relay) != [digest(tok) for _, tok in steps]
 
 

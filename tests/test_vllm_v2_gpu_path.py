@@ -146,8 +146,9 @@ def test_an_unreachable_server_does_not_delay_construction(vllm_config, tp_group
     start = Link.start
     monkeypatch.setattr(Link, "start", lambda self, wait_s: (started_on.append(threading.current_thread()),
                                                               start(self, wait_s))[1])
+    # a long propose timeout: the GPU deadline then waits out the first step, so the second sees the link down
     spec = _speculator(vllm_config, sim, f"tcp://127.0.0.1:{free_port()}", monkeypatch,
-                       VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS="30000")
+                       VLLM_K3_DRAFT_REMOTE_TIMEOUT_MS="30000", VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS="20000")
     try:
         sim.add("a", [1, 2, 1, 2])
         d = sim.propose(spec, [Sched("a", 0, [1, 2, 1, 2], sampled=1)])
