@@ -79,7 +79,6 @@ class DraftPipeline:
         self._pending: dict[int, list] = {}           # fence value -> [submitted, launch, GPU reached it] (monotonic)
         self._expired: set[int] = set()                # released by the deadline, still running
         self.deadline_s = deadline_s
-        self.expired_steps = 0
         self._where: dict[str, Any] = {"jobs": 0, "last_done": 0}   # the draft thread's progress (diagnosis)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -263,7 +262,6 @@ class DraftPipeline:
                 self._expired.add(seq)
             if due:
                 self.fence.signal(max(due))
-                self.expired_steps += len(due)
         return due
 
     def overdue(self, now: float) -> int | None:
@@ -297,7 +295,7 @@ class DraftPipeline:
             log.error("k3-accel: the draft thread has not finished step %d after %.1f s; the GPU is released "
                       "and remote drafting is off for this engine (output unchanged). Draft thread: %s; "
                       "jobs queued %d; fence word %s; every thread's stack follows on stderr.", seq, self.stall_s,
-                      {k: v for k, v in self._where.items()}, self._jobs.qsize(), self.fence.value())
+                      dict(self._where), self._jobs.qsize(), self.fence.value())
             try:
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             except Exception:  # noqa: BLE001 - diagnosis only

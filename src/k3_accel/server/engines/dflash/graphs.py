@@ -61,9 +61,11 @@ class GraphRunner:
         self.graphs.clear()
         self._size()
 
-    def _host(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed host buffer of this replay alone (pinned on CUDA)."""
-        return torch.zeros(n, dtype=dtype, pin_memory=self.cuda)
+    def _host(self, n: int, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
+        """A host buffer of this replay alone (pinned on CUDA); zeroed unless the replay's copy
+        overwrites all of it."""
+        make = torch.zeros if zero else torch.empty
+        return make(n, dtype=dtype, pin_memory=self.cuda)
 
     @torch.inference_mode()
     def capture(self, k: int) -> None:
@@ -116,11 +118,11 @@ class GraphRunner:
             g.temperature.copy_(temp, non_blocking=True)
             g.seeds.copy_(seeds, non_blocking=True)
         g.graph.replay()
-        out = self._host(bucket * k, torch.int64).view(bucket, k)
+        out = self._host(bucket * k, torch.int64, zero=False).view(bucket, k)
         out.copy_(g.tokens, non_blocking=True)
         conf = None
         if g.confidence is not None:
-            conf = self._host(bucket * k, torch.float32).view(bucket, k)
+            conf = self._host(bucket * k, torch.float32, zero=False).view(bucket, k)
             conf.copy_(g.confidence, non_blocking=True)
             conf = conf[:r]
         done = None
