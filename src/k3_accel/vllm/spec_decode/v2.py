@@ -269,15 +269,13 @@ class RemoteSpeculatorMixin:
 
     @staticmethod
     def _slot_wait_s(session) -> float:
-        """How long the step thread may wait for a launch slot (the draft thread is that many steps
-        behind): the GPU deadline, never the transport's timeout, and not at all while a step the
-        deadline released still runs (the thread is stuck: waiting would cost every step). Past it
-        the step's rows are not shipped and their requests fail closed (a gap the client then finds),
-        rather than the engine waiting for a server that paused."""
+        """How long, once the GPU reached the step holding it, the step thread may wait for a launch
+        slot (the draft thread is that many steps behind): the GPU deadline (plus the time to move
+        that step's rows, see :class:`~.v2_launch.LaunchSlots`), never the transport's timeout. Past
+        it the step's rows are not shipped and their requests fail closed, rather than the engine
+        waiting for a server that paused."""
         pipeline = session.pipeline
-        if pipeline.deadline_s is None:
-            return session.settings.timeout_s
-        return 0.0 if pipeline.behind else pipeline.deadline_s
+        return session.settings.timeout_s if pipeline.deadline_s is None else pipeline.deadline_s
 
     def _token_rows(self) -> torch.Tensor | None:
         """vLLM's ``all_token_ids`` by slot (UVA or device): the history of requests to attach."""

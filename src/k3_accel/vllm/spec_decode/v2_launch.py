@@ -24,6 +24,7 @@ tests) the copies are plain and the slot is ready at once.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -33,12 +34,23 @@ import torch
 from k3_accel.transport.api import StepInput
 from k3_accel.transport.staging import pinning_available
 
-META_ROWS = 6           # valid rows, sampled, anchor token, first position, temperature bits, seed
+META_ROWS = 7           # valid rows, sampled, anchor token, first position, temperature bits, seed, rows run
 
 
 class LaunchSlots:
     """``depth`` pinned host slots of ``capacity`` rows; a slot is held until the draft thread
-    is done with its step (the step thread waits only if the thread is ``depth`` steps behind)."""
+    is done with its step (the step thread waits only if the thread is ``depth`` steps behind).
+
+    How long :meth:`acquire` waits for a held slot: first for as long as the GPU has not reached
+    the step that holds it (its launch event; vLLM's host runs ahead of the GPU, and that is no
+    fault of the draft thread's: on the H200 a 16k-token prefill step held a slot for 300 ms
+    that way), then ``timeout`` plus the time to move the step's bytes at
+    ``SHIP_FLOOR_BYTES_PER_S``. Past that the launch fails (the step's rows are lost, its requests
+    fail closed) and, until a slot is released, later launches do not wait at all: a hung draft
+    thread costs one bound, not one per step.
+    """
+
+    SHIP_FLOOR_BYTES_PER_S = 5e8         # the slowest a healthy draft thread moves a step's rows
 
     def __init__(self, depth: int, capacity: int, width: int, dtype: torch.dtype, max_reqs: int, pin: bool):
         def buf(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -47,21 +59,44 @@ class LaunchSlots:
         self.hidden = [buf(capacity, width, dtype=dtype) if width else None for _ in range(depth)]
         self.meta = [buf(META_ROWS, max_reqs, dtype=torch.int64) for _ in range(depth)]
         self._busy = [False] * depth
+        self._ready: list[Any] = [None] * depth      # the holding step's launch event (None: reached)
+        self._bytes = [0] * depth                     # the rows it moves
         self._next = 0
         self._cond = threading.Condition()
+        self.stuck = False                            # a wait ran out and no slot was released since
 
-    def acquire(self, timeout: float) -> int:
+    def acquire(self, timeout: float, reach_cap: float = 30.0) -> int:
+        """The next slot (see the class docstring); ``reach_cap`` bounds the wait for the GPU."""
         with self._cond:
             i = self._next
-            if not self._cond.wait_for(lambda: not self._busy[i], timeout):
-                raise TimeoutError(f"launch slot {i} still in use by the draft thread")
-            self._busy[i] = True
+            start = reached = time.monotonic()
+            if self._busy[i] and self._ready[i] is not None:
+                reached = None
+            while self._busy[i]:
+                now = time.monotonic()
+                if reached is None and self._ready[i].query():
+                    reached = now
+                if reached is None:
+                    left, poll = reach_cap - (now - start), 0.001
+                else:
+                    left = 0.0 if self.stuck else timeout + self._bytes[i] / self.SHIP_FLOOR_BYTES_PER_S - (now - reached)
+                    poll = left
+                if left <= 0:
+                    self.stuck = True
+                    raise TimeoutError(f"launch slot {i} still in use by the draft thread")
+                self._cond.wait(min(left, poll))
+            self._busy[i], self._ready[i], self._bytes[i] = True, None, 0
             self._next = (i + 1) % len(self._busy)
             return i
 
+    def hold(self, i: int, ready: Any, nbytes: int) -> None:
+        """Slot ``i`` now holds a step whose copies complete with ``ready`` and move ``nbytes``."""
+        with self._cond:
+            self._ready[i], self._bytes[i] = ready, int(nbytes)
+
     def release(self, i: int) -> None:
         with self._cond:
-            self._busy[i] = False
+            self._busy[i], self._ready[i], self.stuck = False, None, False
             self._cond.notify_all()
 
 
@@ -113,7 +148,7 @@ class Launch:
         """The step's input from the pinned slot (call after :meth:`wait_ready`)."""
         meta = self.slots.meta[self.slot].numpy()[:, : self.num_reqs]
         keep = self.keep
-        valid, sampled, anchors, first, temp_bits, seeds = (meta[j, keep] for j in range(META_ROWS))
+        valid, sampled, anchors, first, temp_bits, seeds, ran = (meta[j, keep] for j in range(META_ROWS))
         if (valid < 1).any():
             bad = int(np.flatnonzero(valid < 1)[0])
             raise ValueError(f"request {self.req_ids[keep[bad]]!r}: no valid context row this step")
@@ -126,7 +161,7 @@ class Launch:
             sampled=(sampled > 0).tolist(), anchor_tokens=anchors.copy(), anchor_positions=first + valid,
             k=self.k, hidden=hidden[:total] if hidden is not None and self.width else None,
             temperature=temp_bits.astype(np.int32).view(np.float32) if self.sampled else None,
-            seeds=seeds.copy() if self.sampled else None,
+            seeds=seeds.copy() if self.sampled else None, num_verified=np.maximum(ran - 1, 0).tolist(),
             prompt_token_ids={rid: t[:int(f)] for rid, t, f in self._prompt_rows(first)} or None)
 
     def _prompt_rows(self, first: np.ndarray):
@@ -178,9 +213,11 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
         kept[keep] = 1
         qsl = input_batch.query_start_loc[: r + 1].to(torch.int64)
         slot_idx = input_batch.idx_mapping[:r]
-        valid = (qsl[1:] - qsl[:-1] - num_rejected[:r].to(torch.int64)) * _to_device(kept, dev)
+        ran = qsl[1:] - qsl[:-1]          # rows the target ran: 1 + the drafts it verified, when decoding
+        valid = (ran - num_rejected[:r].to(torch.int64)) * _to_device(kept, dev)
         meta = rows.meta[:, :r]
         meta[0].copy_(valid)
+        meta[6].copy_(ran)
         torch.gt(num_sampled[:r], 0, out=meta[1])
         last = last_sampled.reshape(-1) if last_sampled.dim() > 1 else last_sampled
         nxt = next_prefill_tokens[0] if next_prefill_tokens.dim() > 1 else next_prefill_tokens
@@ -212,6 +249,8 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
                 prompt_rows[rid] = torch.empty(count, dtype=torch.int64, pin_memory=rows.cuda and pinning_available())
                 prompt_rows[rid].copy_(src, non_blocking=True)
         ready = _copy_out(rows, slots, slot, r, n, compute, bool(aux))
+        hidden_bytes = slots.hidden[slot][:n].nbytes if aux and slots.hidden[slot] is not None else 0
+        slots.hold(slot, ready, 8 * n + hidden_bytes)
         return Launch(list(input_batch.req_ids[:r]), np.asarray(keep, dtype=np.int64), k, r, slots, slot,
                       ready=ready, width=int(rows.hidden.shape[1]) if (aux and rows.hidden is not None) else 0,
                       prompts=prompt_rows, sampled=sampling is not None)
