@@ -62,6 +62,7 @@ def test_valid_rows_anchors_and_hidden_follow_vllms_dflash_rule(sim):
                         for p in inp.positions]).to(torch.bfloat16)
     assert torch.equal(inp.hidden, want)
     assert inp.k == K and inp.prompt_token_ids is None
+    assert inp.num_verified[0] == 4                   # the verify block ran all four drafts (rows run - 1)
 
 
 def test_skipped_requests_and_history_of_prefix_cache_hits(sim):
@@ -127,3 +128,4 @@ def test_trimmed_verification_rows_past_the_device_end_are_ignored(sim):
     inp = step.step_input()
     assert inp.counts == [2] and inp.token_ids.tolist() == [6, 50] and inp.positions.tolist() == [5, 6]
     assert not (inp.hidden == -7.0).any() and inp.anchor_positions.tolist() == [7]
+    assert inp.num_verified == [2]                    # what the device ran, not the host's upper bound

@@ -117,6 +117,8 @@ class StepInput:
     ``prompt_token_ids``: for requests seen for the first time, their prompt
     (lets a prefix-cache hit reconnect to a retained request).
     ``num_accepted``: drafts the target accepted per request last step, if known.
+    ``num_verified``: drafts the target verified per request last step, if known (vLLM's adaptive
+    verification may verify fewer than it was handed: the rest were neither accepted nor rejected).
     ``temperature`` / ``seeds``: per request, to sample its drafts as vLLM seeds them (sent only
     to a server whose hello offers ``sampling``; otherwise the drafts are greedy).
     """
@@ -131,6 +133,7 @@ class StepInput:
     hidden: torch.Tensor | None = None
     prompt_token_ids: Mapping[str, IntSeq] | None = None
     num_accepted: Sequence[int] | None = None
+    num_verified: Sequence[int] | None = None
     temperature: Sequence[float] | torch.Tensor | None = None   # [R] >= 0 (0: greedy)
     seeds: IntSeq | None = None                                 # [R] int64
 
@@ -163,8 +166,10 @@ class StepInput:
         if (self.temperature is None) != (self.seeds is None) or (
                 self.temperature is not None and not len(self.temperature) == len(self.seeds) == r):
             raise StepInputError(f"temperature and seeds: both or neither, {r} entries each")
-        if self.num_accepted is not None and len(self.num_accepted) != r:
-            raise StepInputError(f"num_accepted has {len(self.num_accepted)} entries for {r} requests")
+        for name in ("num_accepted", "num_verified"):
+            value = getattr(self, name)
+            if value is not None and len(value) != r:
+                raise StepInputError(f"{name} has {len(value)} entries for {r} requests")
         if any((not isinstance(c, int)) or c < 0 for c in self.counts):
             raise StepInputError("counts must be integers >= 0")
         if not isinstance(self.k, int) or self.k < 0:

@@ -7,13 +7,14 @@ request that samples, to maximise the expected tokens per second of the next
 target step; drafts past ``k_i`` become "no draft", which the runners turn
 into nothing to verify (V1: the scheduler gets no placeholder; V2: confidence
 0 for vLLM's adaptive verification). When no ``k > 0`` pays for the batch the
-step asks the server for nothing (its rows still go, as an ingest), and one
-step in ``probe_interval`` drafts fully so a draft that starts paying again is
-noticed. Everything it uses is measured:
+step asks the server for nothing (its rows still go, as an ingest), and every
+``probe_interval`` steps ``probe_steps`` steps in a row draft fully so a draft that
+starts paying again is noticed. Everything it uses is measured:
 
 * **acceptance per position**, per request, smoothed toward a global estimate
   (itself starting from ``prior``): from the valid rows the target kept of the
-  drafts this controller handed out the step before;
+  drafts this controller handed out the step before, counting only those the
+  target verified when the runner says (``StepInput.num_verified``);
 * **the target step's time** as ``a + b * tokens`` (a robust line, Theil-Sen, over
   the last step periods it sees, the draft wait taken out; stalls left out);
 * **the draft round trip**: the median wait of the recent steps that proposed.
@@ -40,7 +41,10 @@ import torch
 class ControllerSettings:
     k_max: int
     k_min: int = 0                  # never fewer drafts than this for a sampling request (0: may be off)
-    probe_interval: int = 32        # while off, one step in this many drafts fully
+    probe_interval: int = 32        # while off, a probe every this many steps: it drafts fully for
+    probe_steps: int = 2            # this many steps in a row (vLLM's adaptive verification sizes a
+                                    # step's verification from the confidences of the step before: the
+                                    # first step's drafts go unverified)
     prior: float = 0.6              # per-position acceptance assumed before any is measured
     prior_weight: float = 4.0       # how many observations the prior is worth (global)
     request_weight: float = 4.0     # how many global observations a request's own estimate starts from
@@ -190,7 +194,7 @@ class Controller:
         start = self.clock()
         sampled = np.asarray(inp.sampled, dtype=bool)
         counts = np.asarray(inp.counts, dtype=np.int64)
-        self._learn(inp.req_ids, sampled, counts, start)
+        self._learn(inp, sampled, counts, start)
         ks = self.choose(inp.req_ids, sampled, counts) if inp.k > 0 else np.zeros(len(counts), np.int64)
         ks = np.minimum(ks, inp.k)
         proposing = bool(ks.any())
@@ -243,18 +247,25 @@ class Controller:
         self.counters["hint_trimmed_drafts"] += int((ks - trimmed).sum())
         return trimmed
 
-    def _learn(self, req_ids: Sequence[str], sampled: np.ndarray, counts: np.ndarray, start: float) -> None:
-        """The valid rows of a sampling request are 1 + the drafts it had accepted."""
-        seen = [(rid, self.given[rid], int(c) - 1) for rid, s, c in zip(req_ids, sampled, counts)
-                if s and self.given.get(rid, 0)]
+    def _learn(self, inp: Any, sampled: np.ndarray, counts: np.ndarray, start: float) -> None:
+        """The valid rows of a sampling request are 1 + the drafts it had accepted, of the drafts
+        handed out to it last step that the target verified (``inp.num_verified`` when the runner
+        knows it: vLLM's adaptive verification may verify none of them, which is no rejection)."""
+        verified = inp.num_verified if getattr(inp, "num_verified", None) is not None else None
+        seen = []
+        for n, (rid, s, c) in enumerate(zip(inp.req_ids, sampled, counts)):
+            g = self.given.get(rid, 0) if s else 0
+            if g and verified is not None:
+                g = min(g, int(verified[n]))
+            if g:
+                seen.append((rid, g, int(c) - 1))
         if seen:                           # forget only when there is news (an off stretch keeps what it knew)
             self.acceptance.decay()
         for rid, g, accepted in seen:
             self.acceptance.observe(rid, g, accepted)
         # the forward that just ran (between the last step's end and this one's start) verified
         # the drafts handed out last step: its tokens are the rows plus the rejected drafts
-        tokens = int(counts.sum()) + sum(max(0, self.given.get(r, 0) + 1 - int(c))
-                                         for r, s, c in zip(req_ids, sampled, counts) if s)
+        tokens = int(counts.sum()) + sum(max(0, g + 1 - (accepted + 1)) for _, g, accepted in seen)
         if self._last_start is not None:
             period = start - self._last_start - self._last_wait
             if period > self.s.min_step_s:
@@ -280,7 +291,8 @@ class Controller:
         if not chosen.any() and self.s.k_min == 0:
             self._off += 1
             self.counters["off_steps"] += 1
-            if self._off % self.s.probe_interval == 0:
+            since = self._off - self.s.probe_interval
+            if since >= 0 and since % self.s.probe_interval < self.s.probe_steps:
                 chosen[:] = k
                 self.counters["probe_steps"] += 1
         else:
