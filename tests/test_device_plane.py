@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers.server import ServerProcess
-from helpers.steps import settings
+from helpers.steps import settings, wait_until
 from helpers.wire import Wire, ints, meta
 from k3_accel import ipc
 from k3_accel import protocol as p
@@ -259,3 +259,41 @@ def test_the_slot_rows_of_a_split_request_follow_its_part():
     rows = DeviceRows(None, 0, np.array([0, 40]), np.array([100, 7]))
     # request 0 starts at position 100 in slot row 0; a part that carries its rows from 130 on
     assert rows.meta_column(np.array([0, 1]), np.array([130, 7])).tolist() == [30, 40]
+
+
+def test_a_restarted_server_is_offered_the_ring_again_and_drafts(checkpoints):
+    """The server dies while a step's messages wait: that step fails closed, and once the server is
+    back the client says hello again, offers it the ring again (the offer is what a CPU-only server
+    refuses; on the H200 the new server attaches it) and the requests after it draft."""
+    target, draft = checkpoints
+    srv = ServerProcess("--engine", "dflash", "--draft-model", str(draft), "--target-model", str(target),
+                        "--device-plane", "always")
+    c = client(srv.address, ring=FakeRing(), timeout_ms=3000, propose_timeout_ms=1000)
+    offers = []
+    offer = c.plane.offer
+    c.plane.offer = lambda *a: (offers.append(1), offer(*a))[1]
+    try:
+        tokens, hidden = context(61, seed=11)
+        first = list(steps(tokens, hidden))
+        c.step(first[0])
+        c.flush()
+        srv.pause()
+        assert c.step(first[1]).drafts.tolist() == [[-1] * K, [-1] * K]      # fails closed
+        srv.restart()
+        probe = context(2, seed=12)
+
+        def recovered() -> bool:
+            c.step(StepInput(["probe"], [1], torch.tensor([0]), probe[0][:1], [False], [int(probe[0][1])], [1],
+                             k=K, hidden=probe[1][:1]))
+            c.flush()
+            return c.stats()["state"] == "ready" and len(offers) >= 1
+        assert wait_until(recovered, timeout=120, interval=0.1)
+        tokens, hidden = context(61, seed=13)
+        again = [c.step(StepInput([f"n{r}" for r in inp.req_ids], inp.counts, inp.positions, inp.token_ids,
+                                  inp.sampled, inp.anchor_tokens, inp.anchor_positions, k=K, hidden=inp.hidden)
+                        ).drafts.tolist() for inp in steps(tokens, hidden)]
+        assert all(d >= 0 for d in again[1][0] + again[1][1])               # drafting again
+    finally:
+        c.close()
+        srv.resume()
+        srv.stop()

@@ -178,10 +178,12 @@ def test_server_killed_mid_step_fails_closed_frees_its_slots_and_reattaches(chec
         srv.restart()                                                 # killed with the slot named
         tokens2, hidden2 = context(80, seed=12)
 
-        def recovered() -> bool:
+        def recovered() -> bool:                                     # steps drive the reconnect; flush
             c.step(StepInput(["probe"], [1], torch.tensor([0], device=DEV), tokens2[:1], [False],
                              [int(tokens2[1])], [1], k=K, hidden=hidden2[:1]))
-            return c.stats()["device_plane"]["path"] == "device" and c.stats()["state"] == "ready"
+            c.flush()                                                 # reads the hello's and attach's replies
+            plane = c.stats()["device_plane"]                         # (an ingest-only step reads nothing)
+            return c.stats()["state"] == "ready" and plane["path"] == "device" and plane["attaches"] >= 2
         assert wait_until(recovered, timeout=120, interval=0.1)
         c.flush()
         assert c.plane.ring.holds == [0] * c.plane.ring.depth           # nothing holds a slot any more

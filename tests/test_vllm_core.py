@@ -111,6 +111,15 @@ def test_failure_log_counts_every_failure_and_logs_only_the_first(caplog):
     assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 3
 
 
+def test_a_failure_outside_an_except_block_logs_no_empty_traceback(caplog):
+    """The GPU deadline's failure has no exception: its log line carries no "NoneType: None"."""
+    failures = FailureLog(collections.Counter())
+    with caplog.at_level(logging.DEBUG, logger="k3_accel.vllm"):
+        failures.record("deadline", "delivering step 2's drafts within 100 ms")
+    (rec,) = caplog.records
+    assert rec.levelno == logging.ERROR and not rec.exc_info and "NoneType" not in caplog.text
+
+
 def test_a_drafter_without_a_session_drafts_nothing_and_builds_nothing():
     drafter = RemoteDrafter("cpu")
 

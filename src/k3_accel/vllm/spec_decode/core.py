@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 from typing import Any, Callable, Container, Iterable, Sequence
 
 import numpy as np
@@ -66,7 +67,7 @@ class KnownRequests:
 class FailureLog:
     """Counts failures (``failures`` and ``failures.<kind>``); the first few are logged with
     their traceback, later ones at debug level, so a dead server cannot flood the log.
-    Call :meth:`record` inside the ``except`` block."""
+    Call :meth:`record` inside the ``except`` block (outside one, nothing but the message)."""
 
     def __init__(self, counters: collections.Counter, limit: int = MAX_LOGGED_FAILURES):
         self.counters = counters
@@ -75,10 +76,11 @@ class FailureLog:
     def record(self, kind: str, what: str, outcome: str = "this step gets no drafts") -> None:
         self.counters["failures"] += 1
         self.counters[f"failures.{kind}"] += 1
+        exc_info = sys.exc_info()[0] is not None      # the deadline's failures have no exception
         if self.counters["failures"] <= self.limit:
-            log.exception("k3-accel: %s failed; %s", what, outcome)
+            log.error("k3-accel: %s failed; %s", what, outcome, exc_info=exc_info)
         else:
-            log.debug("k3-accel: %s failed; %s", what, outcome, exc_info=True)
+            log.debug("k3-accel: %s failed; %s", what, outcome, exc_info=exc_info)
 
 
 Build = Callable[[np.ndarray, list], StepInput]
