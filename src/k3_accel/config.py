@@ -102,7 +102,7 @@ class K3Config:
     device_plane: str = "auto"                # auto: hidden rows GPU to GPU when the server is on this host; off
     adaptive: bool = True                     # per-step K from measured acceptance and costs; off = fixed K
     adaptive_min_k: int = 0                   # fewest drafts for a sampling request (0: speculation may stop)
-    adaptive_probe_interval: int = 32         # while speculation is off, one step in this many drafts fully
+    adaptive_probe_interval: int = 32         # while speculation is off, a two-step probe every this many steps
     capture_dir: str | None = None
     timing_log_interval: int = 0              # 0 = no periodic timing log
     dma_min_bytes: DmaThreshold = dataclasses.field(default_factory=lambda: parse_dma_min_bytes(None))
