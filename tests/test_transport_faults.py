@@ -67,15 +67,18 @@ def test_frees_queued_during_an_outage_reach_the_server_afterwards(server, clien
     assert stats["retained"] <= 64 and client.book.stats()["unsent_frees"] == 0
 
 
-def test_a_disabled_request_is_not_kept_as_a_reconnect_source(server, client_factory):
+def test_a_disabled_request_is_kept_as_a_reconnect_source(server, client_factory):
+    """What the server holds of a request disabled by a gap is a correct prefix: it is kept (a
+    request that never reached the server has nothing to keep)."""
     client = client_factory(server.address)
     client.step(rows(["bad", "good"], [(0, [5, 6, 7, 5]), (0, [1, 2, 1])], anchors=[6, 2]))
     client.step(rows(["bad"], [(9, [8])], anchors=[9]))                     # a gap: disabled
-    assert client.is_disabled("bad")
-    client.finish(["bad", "good"])
+    client.step(rows(["cold"], [(16, [1, 2])], anchors=[3]))                # never on the server
+    assert client.is_disabled("bad") and client.is_disabled("cold")
+    client.finish(["bad", "good", "cold"])
     client.flush()
     stats = client.server_stats()
-    assert stats["active"] == 0 and stats["retained"] == 1                  # only "good" is kept
+    assert stats["active"] == 0 and stats["retained"] == 2                  # "bad" and "good"
 
 
 def test_the_sender_thread_failing_fails_closed_like_a_socket(server, client_factory, monkeypatch):

@@ -115,6 +115,24 @@ def test_prefix_hit_reconnects_with_hidden_context(dflash, client_factory, refer
     assert client.server_stats()["errors"] == {}
 
 
+def test_a_request_that_lost_rows_still_serves_its_prefix(dflash, client_factory, reference):
+    """A request whose rows were lost after its prompt (a launch that failed on the GPU path) is
+    disabled, but what the server holds of it is a correct prefix (the server checks a reattach by
+    token ids): a later request with the same prompt, a prefix-cache hit, reattaches to it and
+    drafts. Before, such a request was freed without being kept, and on the H200 every later run of
+    its prompt failed to reattach (PREFIX_MISMATCH), a whole batch without drafts for good."""
+    tokens, hidden = context(57, seed=9)
+    client = make(client_factory, dflash)
+    client.step(step("lost", 0, 40, tokens, hidden))
+    client.step(step("lost", 44, 45, tokens, hidden))                    # rows 40..43 never came: a gap
+    assert client.is_disabled("lost")
+    client.finish(["lost"])
+    hit = client.step(step("again", 32, 56, tokens, hidden, prompt=tokens[:56])).drafts
+    assert bool((hit >= 0).all()) and not client.is_disabled("again")
+    assert_drafts_follow_reference(hit[0], reference, hidden[:56], int(tokens[56]))
+    assert "PREFIX_MISMATCH" not in client.server_stats()["errors"]
+
+
 def test_prefix_hit_without_retained_context_is_disabled(dflash, client_factory):
     tokens, hidden = context(50, seed=7)
     client = make(client_factory, dflash)

@@ -92,7 +92,10 @@ class RequestBook:
 
     # ------------------------------------------------------------- departures
     def finish(self, req_ids: Iterable[str]) -> tuple[list[int], list[int]]:
-        """Forget requests that left the batch; ``(retain, drop)`` handles to free remotely."""
+        """Forget requests that left the batch; ``(retain, drop)`` handles to free remotely. A
+        disabled request is kept too: whatever the server holds of it is a correct prefix of its
+        sequence (rows are applied whole or not at all, and a reattach is matched by token ids), so
+        a later request with its prompt can still reattach to it."""
         retain, drop = [], []
         for rid in req_ids:
             rec = self.records.pop(rid, None)
@@ -102,7 +105,7 @@ class RequestBook:
                 self._active -= 1
             if rec.epoch != self.epoch or not rec.sent:
                 continue                     # nothing of it on the server
-            (retain if rec.disabled is None and rec.length > 0 else drop).append(rec.handle)
+            (retain if rec.length > 0 else drop).append(rec.handle)
         return retain, drop
 
     def hold_frees(self, handles: list[int], retain: bool) -> None:

@@ -308,7 +308,7 @@ class DraftClient:
 
     # ============================================================ requests
     def finish(self, req_ids: Iterable[str]) -> None:
-        """Requests left the batch: free them remotely (retaining healthy ones) and forget them."""
+        """Requests left the batch: free them remotely (kept for reattaches: ``RequestBook.finish``)."""
         ids = list(req_ids)
         if self._capture is not None:
             for rid in ids:
