@@ -27,6 +27,7 @@ from k3_accel.server.reconnect import reconnect
 from k3_accel.server.state import RequestError, RequestStore, Session
 
 log = logging.getLogger("k3_accel.server")
+SLOW_MESSAGE_S = 0.25   # a message handled slower than this is logged (op, seq, time)
 
 _FAULT_CODES = {EngineFault.CAPACITY: ErrorCode.CAPACITY, EngineFault.BAD_INPUT: ErrorCode.BAD_REQUEST,
                 EngineFault.UNSUPPORTED: ErrorCode.UNSUPPORTED}
@@ -54,6 +55,7 @@ class DraftService:
                  max_message_bytes: int = p.DEFAULT_MAX_MESSAGE_BYTES, lease_s: float = 0.0,
                  device_plane: ServerDevicePlane | None = None):
         self.engine, self.store, self.metrics = engine, store, metrics
+        self.slow_s = SLOW_MESSAGE_S
         self.plane = device_plane if device_plane is not None else ServerDevicePlane.for_engine(engine)
         self.server_id = new_server_id()
         c = engine.caps
@@ -121,7 +123,11 @@ class DraftService:
         return p.error_reply(exc.seq, self.server_id, exc.code, exc.message)
 
     def _done(self, req: p.Request, reply: Reply, started: float | None = None) -> Reply:
-        self.metrics.message(req.op, 0.0 if started is None else time.perf_counter() - started)
+        seconds = 0.0 if started is None else time.perf_counter() - started
+        self.metrics.message(req.op, seconds)
+        if seconds > self.slow_s:          # the target's GPU path gives a step's drafts ~0.1 s: say why it waits
+            log.warning("%s (seq %d) took %.0f ms on this server (a first-use compile, a GC pause, another "
+                        "client's work?)", req.op, req.seq, seconds * 1e3)
         if not reply.ok:
             self.metrics.error(reply.error[0])
         for _, code, _ in reply.failures:
