@@ -62,6 +62,24 @@ def test_caps_and_sizes(ckpt):
     assert stats["pool_used_blocks"] == 0 and stats["pool_total_blocks"] == engine.pool.num_blocks
 
 
+def test_start_up_runs_each_ingest_row_class_and_leaves_the_pool_as_it_was(ckpt, monkeypatch):
+    """The server's start runs the eager ingest once per row-count class (Triton compiles anew for a
+    count of 1, one divisible by 16, an unaligned pointer): a target's first steps never pay it."""
+    from k3_accel.server.engines.dflash import engine as engine_module
+    seen = []
+    ingest = DFlashEngine.ingest
+
+    def spy(self, batch):
+        seen.append(sum(batch.counts))
+        return ingest(self, batch)
+    monkeypatch.setattr(DFlashEngine, "ingest", spy)
+    engine = _engine(ckpt)
+    assert seen == list(engine_module.WARM_INGEST_ROWS) and {1, 16} <= set(seen)
+    stats = engine.stats()
+    assert stats["pool_used_blocks"] == 0 and engine.pool.free_blocks == engine.pool.num_blocks
+    assert stats.get("ingest_rows", 0) == 0
+
+
 def test_batched_chunked_ingest_matches_reference(ckpt, ref):
     """Several requests per ingest, chunks crossing block boundaries, a request with no
     context, several proposals of different k in one batch each."""

@@ -62,6 +62,9 @@ def select_ops(kernels: str, device: torch.device, weights: DFlashWeights, block
     return ops_torch if why else ops_triton
 
 
+WARM_INGEST_ROWS = (1, 3, 16, 17)   # a step's row-count classes for Triton (see DFlashEngine._warm_ingest)
+
+
 class DFlashEngine(DraftEngine):
     """DFlash block drafter over a draft checkpoint and its target's embed/lm_head.
 
@@ -121,6 +124,27 @@ class DFlashEngine(DraftEngine):
             for k in graph_k if graph_k is not None else (self.caps.max_spec_tokens,):
                 if 0 < k <= self.caps.max_spec_tokens:
                     self.graphs.capture(k)
+        self._warm_ingest()
+
+    def _warm_ingest(self) -> None:
+        """Run the eager ingest path once per row-count class before any client comes: Triton
+        compiles a kernel anew for an integer equal to 1 or divisible by 16 and a pointer aligned
+        to 16 bytes or not, and a step's row count decides both (one row per request at B = 1). On
+        the H200 the first B = 1 request after a B = 32 warm-up got its replies seconds late and
+        lost its context. Leaves the pool as it was."""
+        for n in WARM_INGEST_ROWS:
+            state = self.new_state()
+            if self.pool.blocks_needed(state, 0, n) > self.pool.free_blocks:
+                continue
+            try:
+                self.ingest(IngestBatch([state], [0], [n], torch.arange(n), torch.zeros(n, dtype=torch.int64),
+                                        torch.zeros(n, self.config.context_width, dtype=self.dtype)))
+            finally:
+                self.release(state)
+        if self.stream is not None:
+            self.stream.synchronize()
+        self._stats.update(ingest_seconds=0.0, ingest_rows=0)
+        self._ingest_events = None
 
     def _caps(self, block_size: int, max_spec_tokens: int | None) -> EngineCaps:
         cfg, limit = self.config, self.config.block_size - 1
