@@ -62,7 +62,7 @@ def select_ops(kernels: str, device: torch.device, weights: DFlashWeights, block
     return ops_torch if why else ops_triton
 
 
-WARM_INGEST_ROWS = (1, 3, 16, 17)   # a step's row-count classes for Triton (see DFlashEngine._warm_ingest)
+WARM_INGEST_ROWS = (1, 2, 3, 16, 17)   # a step's row-count classes for Triton (see DFlashEngine._warm_ingest)
 
 
 class DFlashEngine(DraftEngine):
