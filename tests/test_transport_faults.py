@@ -161,3 +161,14 @@ def test_an_idle_client_heartbeats_within_the_lease_the_server_advertises(client
         assert out.drafts[0, :2].tolist() == [2, 1] and not client.is_disabled("a")
     finally:
         srv.stop()
+
+
+def test_a_sender_failure_on_a_lost_socket_does_not_drop_the_next_link(server, client_factory):
+    """The sender thread failed on a socket the step thread then dropped (a flush that timed out):
+    the reconnected link is not dropped again for that old failure."""
+    client = client_factory(server.address)
+    client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
+    client.sender.broken = RuntimeError("planted: a post on the old socket failed")
+    client.link.lose(RuntimeError("planted: no reply within the timeout"))
+    assert drafts_again(client)
+    assert client.stats()["counters"]["transport_errors"] == 1             # only the planted loss

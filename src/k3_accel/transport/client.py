@@ -63,7 +63,7 @@ class DraftClient:
         self.plane = DevicePlane.create(settings.device_plane, self.ring.depth, settings.max_rows,
                                         settings.context_width, settings.hidden_dtype, settings.device, device_ring)
         self.link = Link(settings, self.telemetry, on_ready=self._on_ready, on_state_lost=self._on_state_lost,
-                         on_lost=self.plane.lost)
+                         on_lost=self._on_lost)
         self.sender = Sender(settings.heartbeat_ms / 1000, self._heartbeat)
         self.outbox = Outbox(settings, self.link, self.ring, self.book, self.sender, self.telemetry)
         self._capture = (CaptureWriter(settings.capture_dir, self._on_capture_error)
@@ -131,6 +131,11 @@ class DraftClient:
         self.telemetry.add("step", time.perf_counter() - started)
         self.telemetry.end_step()
         return out
+
+    def _on_lost(self) -> None:
+        """The socket is gone: a sender failure on it is old news, not a reason to drop the next link."""
+        self.sender.broken = None
+        self.plane.lost()
 
     def _guarded(self, inp: StepInput, out: StepOutput) -> np.ndarray | None:
         """Run the step; transport trouble fails the step's batch closed instead of raising.
