@@ -35,9 +35,13 @@ HERE = Path(__file__).resolve().parent
 for path in (str(HERE), str(HERE.parent / "src")):
     if path not in sys.path:
         sys.path.insert(0, path)
+# vLLM's engine processes unpickle p6_stats.stats_on_worker by reference: they must find this folder
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+
+from p6_stats import (BATCHES, controller_delta, drafter_stats, oracle_counts, spec_counters,  # noqa: E402
+                      trouble)
 
 K = 7
-BATCHES = (1, 8, 32)
 LENGTHS = (1.0, 4.0, 6.5)
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
             "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
@@ -137,20 +141,6 @@ def _shift_head(worker) -> int:
     return len(outs)
 
 
-def spec_counters(llm) -> dict:
-    out: dict = {}
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            out["drafts"] = int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            out["accepted"] = int(m.value)
-        elif m.name == "vllm:spec_decode_num_draft_tokens":
-            out["draft_tokens"] = int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            out["per_pos"] = [int(v) for v in m.values]
-    return out
-
-
 WATCHDOG_S = 90.0      # a generate of at most 32 x 128 tokens takes seconds; past this it is stuck
 SPARE: set[int] = set()  # child pids the watchdog leaves alive (the draft server)
 
@@ -231,18 +221,6 @@ def make_llm(target: str, args, **extra):
     return llm
 
 
-def _oracle_counts(doc: dict, path: Path, work: Path) -> None:
-    """The oracle's own counts per (variant, length, B): drafts it made right = what a greedy target
-    accepts when its output equals the record (``identical_to_record``)."""
-    for line in path.read_text().splitlines() if path.exists() else []:
-        c = json.loads(line)
-        for b in BATCHES:
-            entry = doc["variants"].get(c.get("tag") or "", {}).get(str(c["length"]), {}).get(b)
-            if entry is not None and c["record"] == str(work / f"record-{b}.json") and c["found"]:
-                entry["oracle"] = {k: c[k] for k in ("requests", "found", "scheduled_accepts")}
-                entry["oracle_acceptance_length"] = 1 + c["scheduled_accepts"] / c["found"]
-
-
 def _save(doc: dict, out: str | None) -> None:
     """The document so far (a run cut short by its time limit keeps what it measured)."""
     if out:
@@ -272,13 +250,16 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
                 # length, the untimed one the switch from the previous one (an adaptive controller's cost)
                 control.write_text(json.dumps({"length": length, "record": str(work / f"record-{b}.json"),
                                                "seed": b, "tag": f"{name}-switch"}))
+                s0 = drafter_stats(llm)
                 switch_secs, _ = generate(llm, prompts[b], args.tokens)
                 control.write_text(json.dumps({"length": length, "record": str(work / f"record-{b}.json"),
                                                "seed": b, "tag": name}))
                 time.sleep(0.01)
-                before, trouble = spec_counters(llm), _trouble(_drafter_stats(llm))
+                s1 = drafter_stats(llm)
+                before = spec_counters(llm)
                 secs, outs = generate(llm, prompts[b], args.tokens)
-                after, trouble = spec_counters(llm), _trouble(_drafter_stats(llm), trouble)
+                after, s2 = spec_counters(llm), drafter_stats(llm)
+                problems = trouble(s2, trouble(s1))
                 rec = json.loads((work / f"record-{b}.json").read_text())["sequences"]
                 drafts = after.get("drafts", 0) - before.get("drafts", 0)
                 acc = after.get("accepted", 0) - before.get("accepted", 0)
@@ -293,50 +274,22 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
                          "accepted_per_position": [x / drafts for x in per_pos] if drafts else [],
                          # a step that failed closed drafts the filler (the last sampled token), which this
                          # target's constant greedy output accepts: only failure-free runs measure drafting
-                         "plugin_trouble": trouble, "valid": not trouble}
+                         "plugin_trouble": problems, "valid": not problems,
+                         # diagnosis: what went wrong in the untimed run, what the controller chose in the timed one
+                         "switch_trouble": trouble(s1, trouble(s0)), "controller": controller_delta(s1, s2)}
                 out.setdefault(str(length), {})[b] = entry
                 print(json.dumps({"variant": name, "length": length, "B": b, **entry}), flush=True)
                 _save(doc, args.out)
         control.write_text(json.dumps({"length": 1.0, "record": None, "tag": None}))   # flushes the last counts
         generate(llm, warm[:1], 4)
-        _oracle_counts(doc, Path(f"{control}.counts.jsonl"), work)
-        out["drafter"] = _drafter_stats(llm)
+        oracle_counts(doc, Path(f"{control}.counts.jsonl"), work)
+        out["drafter"] = drafter_stats(llm)
     finally:
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception as exc:  # noqa: BLE001 - an engine the watchdog killed
             print(f"shutdown: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         del llm
-
-
-def _drafter_stats(llm) -> dict | None:
-    """The plugin's own view (chosen K, steps off, probes, cost fit) where the engine exposes it."""
-    try:
-        return llm.collective_rpc(_stats_on_worker)[0]
-    except Exception as exc:  # noqa: BLE001 - informative only
-        return {"error": str(exc)[:300]}
-
-
-def _trouble(stats: dict | None, before: dict | None = None) -> dict:
-    """What went wrong in the plugin since ``before`` (this function's earlier result's base): failure
-    and disabled-request counters that grew, or why its stats could not be read. Empty: nothing."""
-    if not isinstance(stats, dict) or "error" in stats:
-        return {"stats": (stats or {}).get("error", "unavailable") if isinstance(stats, dict) else "unavailable"}
-    counts = {**(stats.get("counters") or {}), **{f"adapter.{k}": v for k, v in
-                                                (stats.get("adapter") or {}).items() if isinstance(v, int)}}
-    bad = {k: v for k, v in counts.items() if "failures" in k or k.endswith("disabled_requests")}
-    if before is None:
-        return {"_base": bad}
-    base = before.get("_base", {})
-    grew = {k: v - base.get(k, 0) for k, v in bad.items() if v > base.get(k, 0)}
-    return {**grew, **({"stats": before["stats"]} if "stats" in before else {})}
-
-
-def _stats_on_worker(worker):
-    runner = worker.model_runner
-    spec = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
-    stats = getattr(spec, "stats", None)
-    return stats() if callable(stats) else None
 
 
 def _speedups(doc: dict, name: str) -> dict:
