@@ -189,8 +189,10 @@ class Controller:
         self._last_wait = 0.0
 
     # ------------------------------------------------------------------ one step
-    def step(self, inp: Any, run: Callable[[Any], Any]) -> Any:
-        """Learn from ``inp``, choose, run ``run(inp')`` (the client's step) and mask its drafts."""
+    def step(self, inp: Any, run: Callable[[Any], Any], decided: Callable[[bool], None] | None = None) -> Any:
+        """Learn from ``inp``, choose, run ``run(inp')`` (the client's step) and mask its drafts.
+        ``decided(proposing)`` is called as soon as the choice is made, before ``run``: a step that
+        drafts nothing need not hold the GPU while its rows are shipped."""
         start = self.clock()
         sampled = np.asarray(inp.sampled, dtype=bool)
         counts = np.asarray(inp.counts, dtype=np.int64)
@@ -198,6 +200,8 @@ class Controller:
         ks = self.choose(inp.req_ids, sampled, counts) if inp.k > 0 else np.zeros(len(counts), np.int64)
         ks = np.minimum(ks, inp.k)
         proposing = bool(ks.any())
+        if decided is not None:
+            decided(proposing)
         if proposing or inp.k == 0:
             out = run(inp)
         else:                                   # nobody drafts: the rows still go (as an ingest), so the

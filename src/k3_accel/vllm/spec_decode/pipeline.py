@@ -23,6 +23,10 @@ it a server that paused (a first-use compile, a full staging ring) held the GPU
 for as long as the transport's generous timeouts (30 s each), twice in a row on
 the H200.
 
+A step the adaptive controller asks no drafts of releases its fence as soon as
+that is decided, before its rows are staged and sent: the GPU never waits for
+the shipping of a step it gets no drafts for.
+
 A watchdog bounds the rest: when a submitted step is still unfinished
 ``stall_s`` after its submission (longer than any wait the draft thread takes
 on its own), it logs where the thread is and every thread's stack once,
@@ -78,6 +82,7 @@ class DraftPipeline:
         self._thread.start()
         self._pending: dict[int, list] = {}           # fence value -> [submitted, launch, GPU reached it] (monotonic)
         self._expired: set[int] = set()                # released by the deadline, still running
+        self._released: set[int] = set()               # released because the controller drafts nothing
         self.deadline_s = deadline_s
         self._where: dict[str, Any] = {"jobs": 0, "last_done": 0}   # the draft thread's progress (diagnosis)
         self._lock = threading.Lock()
@@ -133,11 +138,12 @@ class DraftPipeline:
             raise value
         return value
 
-    def run_step(self, inp: Any) -> Any:
-        """The client's step, through the controller when there is one (draft thread only)."""
+    def run_step(self, inp: Any, decided: Callable[[bool], None] | None = None) -> Any:
+        """The client's step, through the controller when there is one (draft thread only);
+        ``decided``: see :meth:`~.controller.Controller.step`."""
         if self.controller is None:
             return self.client.step(inp)
-        return self.controller.step(inp, self.client.step)
+        return self.controller.step(inp, self.client.step, decided)
 
     def close(self, timeout: float) -> None:
         """Stop the thread after the queued work (bounded), close the client; the fence is
@@ -202,15 +208,15 @@ class DraftPipeline:
                 return
             try:
                 self._enter("client_step")
-                out = self.run_step(inp)
+                out = self.run_step(inp, None if seq is None else lambda proposing: proposing or self._release(seq))
             except Exception:  # noqa: BLE001
                 self.on_failure("step", "the remote draft step")
                 return
             self._enter("write")
             if rows is not None and inp.k > 0 and out.drafts.numel():
                 keep = torch.from_numpy(np.asarray(launch.keep, dtype=np.int64))
-                with self._lock:                   # a step the deadline released keeps its "no drafts"
-                    if seq not in self._expired:
+                with self._lock:                   # a step released early keeps its "no drafts"
+                    if seq not in self._expired and seq not in self._released:
                         rows[keep, :inp.k] = out.drafts
                         if "confidence" in out.extra:
                             self.confidence[seq % 2][keep, :inp.k] = out.extra["confidence"].float()
@@ -221,8 +227,16 @@ class DraftPipeline:
                 with self._lock:
                     self._pending.pop(seq, None)
                     self._expired.discard(seq)
+                    self._released.discard(seq)
                 self._where["last_done"] = seq
             self._enter(None)
+
+    def _release(self, seq: int) -> None:
+        """The controller asks no drafts of step ``seq``: the GPU goes on now (its reply is all "no
+        draft" since the step began), while the step's rows are still being shipped."""
+        with self._lock:
+            self._released.add(seq)
+        self.fence.signal(seq)
 
     def _enter(self, phase: str | None) -> None:
         """The draft thread moves on to ``phase`` (None: the step is done); the time it spent in the
