@@ -234,6 +234,9 @@ def test_a_step_the_controller_drafts_nothing_for_releases_the_gpu_before_its_ro
         assert pipe.fence.wait(seq, timeout=0 if drafting else 60) != drafting   # ... the GPU goes on only if off
         assert not client.done.is_set()
         assert (pipe.reply_rows(seq, 4, 3) == -1).all()              # "no drafts" (so far)
+        if not drafting:                                             # shipping past the deadline: no "late"
+            pipe.deadline_s = 0.0                                    # step, nothing behind, when the GPU went
+            assert pipe.expire(time.monotonic() + 1.0) == [] and not pipe.behind      # on already
         client.gate.set()
         assert pipe.fence.wait(seq, timeout=60)
         assert pipe.call(lambda c: "done", timeout=60) == "done"

@@ -264,6 +264,8 @@ class DraftPipeline:
         with self._lock:
             due = []
             for seq, entry in self._pending.items():
+                if seq in self._released:                 # the GPU went on already
+                    continue
                 if entry[2] is None:
                     ready = getattr(entry[1], "ready", None)
                     if ready is None or ready.query():
