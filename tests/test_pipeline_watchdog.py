@@ -216,9 +216,9 @@ class GatedStepClient(GatedClient):
 @pytest.mark.parametrize("drafting", [False, True])
 def test_a_step_the_controller_drafts_nothing_for_releases_the_gpu_before_its_rows_ship(drafting):
     """When the adaptive controller asks no drafts of a step, the GPU (waiting on V2 for that step's
-    drafts) goes on as soon as that is decided, not after the step's rows are staged and sent (a
-    busy staging ring held it for milliseconds every step: the adaptive variant ran at 0.3-0.6 of no
-    speculation where it drafted nothing, on the H200). A step that drafts still waits for them."""
+    drafts) goes on as soon as that is decided, not after the step's rows are staged and sent (the
+    GPU otherwise waits for the staging ring every step speculation is off). A step that drafts still
+    waits for them."""
     from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
     controller = Controller(ControllerSettings(k_max=3, probe_interval=1000))
     controller.acceptance.tried[:] = 1000.0                         # measured: every draft rejected

@@ -255,7 +255,7 @@ class Controller:
         """The valid rows of a sampling request are 1 + the drafts it had accepted, of the drafts
         handed out to it last step that the target verified (``inp.num_verified`` when the runner
         knows it: vLLM's adaptive verification may verify none of them, which is no rejection)."""
-        verified = inp.num_verified if getattr(inp, "num_verified", None) is not None else None
+        verified = inp.num_verified
         seen = []
         for n, (rid, s, c) in enumerate(zip(inp.req_ids, sampled, counts)):
             g = self.given.get(rid, 0) if s else 0
@@ -269,7 +269,7 @@ class Controller:
             self.acceptance.observe(rid, g, accepted)
         # the forward that just ran (between the last step's end and this one's start) verified
         # the drafts handed out last step: its tokens are the rows plus the rejected drafts
-        tokens = int(counts.sum()) + sum(max(0, g + 1 - (accepted + 1)) for _, g, accepted in seen)
+        tokens = int(counts.sum()) + sum(max(0, g - accepted) for _, g, accepted in seen)
         if self._last_start is not None:
             period = start - self._last_start - self._last_wait
             if period > self.s.min_step_s:
