@@ -72,6 +72,23 @@ def controller_delta(before: dict | None, after: dict | None) -> dict | None:
             "acceptance_per_position": c1.get("acceptance_per_position")}
 
 
+def phase_delta(before: dict | None, after: dict | None) -> dict | None:
+    """The draft thread's and the server's phases between two stats reads: per phase the count and
+    mean milliseconds of the steps in between (where one run's time went), or None."""
+    p0, p1 = ((s or {}).get("phases") if isinstance(s, dict) else None for s in (before, after))
+    if not isinstance(p1, dict):
+        return None
+    p0 = p0 if isinstance(p0, dict) else {}
+    out = {}
+    for name, b in p1.items():
+        a = p0.get(name) or {"count": 0, "mean_ms": 0.0}
+        n = b.get("count", 0) - a.get("count", 0)
+        if n > 0:
+            total = b["mean_ms"] * b["count"] - a["mean_ms"] * a["count"]
+            out[name] = {"count": n, "mean_ms": round(total / n, 3)}
+    return out
+
+
 def stats_on_worker(worker):
     runner = worker.model_runner
     spec = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)

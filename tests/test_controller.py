@@ -231,3 +231,23 @@ def test_settings_are_checked():
         ControllerSettings(k_max=3, k_min=4)
     with pytest.raises(ValueError, match="probe_interval"):
         dataclasses.replace(ControllerSettings(k_max=3), probe_interval=0)
+
+
+def test_probes_of_a_useless_draft_back_off_but_stay_bounded():
+    """A draft that never pays costs ever less: the gap between probes doubles while they find
+    nothing, but never past PROBE_BACKOFF x probe_interval, so a draft that starts paying is
+    still noticed within a bounded number of steps."""
+    from k3_accel.vllm.spec_decode.controller import PROBE_BACKOFF
+    interval = 8
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=interval)), batch=4)
+    t.accept = lambda step, i, j: False
+    t.step(600)
+    probes = [n for n, d in enumerate(t.asked) if n > 5 and d.sum() > 0]
+    bursts = [n for n in probes if n - 1 not in probes]
+    gaps = np.diff(bursts)
+    assert len(gaps) >= 4 and gaps[-1] > gaps[0]                     # sparser than at first ...
+    assert gaps.max() <= PROBE_BACKOFF * interval + 2 * t.c.s.probe_steps + 1   # ... within the bound
+    assert len(probes) < 600 / interval                               # fewer than a fixed interval's
+    t.accept = lambda step, i, j: True                                # then a perfect draft
+    back = t.step(PROBE_BACKOFF * interval + 20)[-8:]
+    assert all(d.sum() > 0 for d in back)

@@ -3,8 +3,10 @@
 The rule a user relies on: a step's context is never lost because vLLM's host ran ahead of the
 GPU (on the H200 a 16k-token prefill step held a slot for 300 ms that way, and every request of a
 B = 32 batch lost its drafts for good); only a draft thread that is slow once the GPU is there
-costs the rows, and a hung one costs one bound, not one per step. Real threads and a stand-in for
-the CUDA launch event (``query()``), the only piece this machine lacks.
+may cost the rows, and then only once it is more steps behind than the spill budget holds (a
+server that answers late for a second must not disable every request in flight); a hung one costs
+one bound and the budget, not one wait per step. Real threads and a stand-in for the CUDA launch
+event (``query()``), the only piece this machine lacks.
 """
 from __future__ import annotations
 
@@ -91,3 +93,46 @@ def test_a_slot_never_reached_is_bounded_by_the_cap():
     with pytest.raises(TimeoutError):
         s.acquire(0.0, reach_cap=0.05)
     assert s.stuck
+
+
+def held(s: LaunchSlots, rows: int | None = 4) -> int:
+    i = s.acquire(0.0, rows=rows)
+    s.hold(i, Event(done=True), 0)                        # the GPU is there; the draft thread is not done
+    return i
+
+
+def test_a_thread_behind_gets_spill_slots_sized_to_the_step_not_a_wait_or_a_loss():
+    s = LaunchSlots(2, 64, 6, torch.bfloat16, 4, pin=False)
+    a, b = held(s), held(s)
+    assert {a, b} == {0, 1} and s.spilled == 0            # the fixed slots first
+    spill = [s.acquire(0.0, rows=n) for n in (3, 0, 5)]   # a zero deadline: any wait would raise
+    assert len(set(spill) | {a, b}) == 5 and s.spills == 3
+    for j, n in zip(spill, (3, 0, 5)):
+        assert s.token_ids[j].shape == (n,) and s.hidden[j].shape == (n, 6) and s.meta[j].shape[1] == 4
+    assert s.spilled == sum(s.slot_bytes(n) for n in (3, 0, 5))
+    for j in spill:
+        s.release(j)
+    assert s.spilled == 0 and all(j not in s.token_ids for j in spill)
+    assert s.token_ids[a].shape == (64,)                  # the fixed slots are untouched
+    s.release(a)
+    assert s.acquire(0.0, rows=2) == a                    # and used again in turn once free
+
+
+def test_the_spill_budget_bounds_pinned_memory_then_the_deadline_rule_holds():
+    s = LaunchSlots(1, 64, 6, torch.bfloat16, 4, pin=False, spill_bytes=0)
+    s.release(held(s))
+    s2 = LaunchSlots(1, 64, 6, torch.bfloat16, 4, pin=False)
+    assert s2.spill_cap == s2.slot_bytes(64)              # default: one full slot per fixed slot
+    i = held(s)
+    with pytest.raises(TimeoutError, match="still in use"):
+        s.acquire(0.01, rows=1)                           # no budget: the old bound, then no waits
+    assert s.stuck and s.spills == 0
+    s.release(i)
+    cap = s2.spill_cap
+    held(s2)
+    first = s2.acquire(0.0, rows=40)                       # 40 of 64 rows' worth fits ...
+    with pytest.raises(TimeoutError):
+        s2.acquire(0.0, rows=40)                          # ... a second one does not
+    assert s2.spilled <= cap
+    s2.release(first)
+    assert s2.acquire(0.0, rows=40) > 1                   # budget back once the thread moves

@@ -7,9 +7,10 @@ request that samples, to maximise the expected tokens per second of the next
 target step; drafts past ``k_i`` become "no draft", which the runners turn
 into nothing to verify (V1: the scheduler gets no placeholder; V2: confidence
 0 for vLLM's adaptive verification). When no ``k > 0`` pays for the batch the
-step asks the server for nothing (its rows still go, as an ingest), and every
-``probe_interval`` steps ``probe_steps`` steps in a row draft fully so a draft that
-starts paying again is noticed. Everything it uses is measured:
+step asks the server for nothing (its rows still go, as an ingest), and after
+``probe_interval`` such steps ``probe_steps`` steps in a row draft fully so a draft that
+starts paying again is noticed; while probes find nothing the interval doubles, up to
+``PROBE_BACKOFF`` times, so a useless draft costs ever less (a paying step resets it). Everything it uses is measured:
 
 * **acceptance per position**, per request, smoothed toward a global estimate
   (itself starting from ``prior``): from the valid rows the target kept of the
@@ -36,12 +37,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+PROBE_BACKOFF = 4                   # while off, probes back off to at most this x probe_interval
+
 
 @dataclass(frozen=True)
 class ControllerSettings:
     k_max: int
     k_min: int = 0                  # never fewer drafts than this for a sampling request (0: may be off)
-    probe_interval: int = 32        # while off, a probe every this many steps: it drafts fully for
+    probe_interval: int = 32        # while off, a probe after this many steps: it drafts fully for
     probe_steps: int = 2            # this many steps in a row (vLLM's adaptive verification sizes a
                                     # step's verification from the confidences of the step before: the
                                     # first step's drafts go unverified)
@@ -185,6 +188,7 @@ class Controller:
         self.k_hist: Counter[int] = Counter()
         self.counters: Counter[str] = Counter()
         self._off = 0                          # consecutive steps with speculation off
+        self._interval = settings.probe_interval   # off steps before the next probe
         self._last_start: float | None = None
         self._last_wait = 0.0
 
@@ -295,12 +299,14 @@ class Controller:
         if not chosen.any() and self.s.k_min == 0:
             self._off += 1
             self.counters["off_steps"] += 1
-            since = self._off - self.s.probe_interval
-            if since >= 0 and since % self.s.probe_interval < self.s.probe_steps:
+            if self._off > self._interval + self.s.probe_steps:     # the last probe found nothing:
+                self._off = 1                                        # back off, up to PROBE_BACKOFF x
+                self._interval = min(self._interval * 2, self.s.probe_interval * PROBE_BACKOFF)
+            if self._off > self._interval:
                 chosen[:] = k
                 self.counters["probe_steps"] += 1
         else:
-            self._off = 0
+            self._off, self._interval = 0, self.s.probe_interval
         ks[idx] = chosen
         self.k_hist.update(chosen.tolist())
         self.counters["steps"] += 1

@@ -248,8 +248,9 @@ class RemoteSpeculatorMixin:
                k: int, cols: torch.Tensor) -> None:
         """Ship the step with a propose and put the drafts into ``cols`` (every rank)."""
         session = self.core.session
-        if session.is_driver and session.pipeline.behind:     # a released step still runs: ask for nothing the
-            k = 0                                             # GPU would wait on, ship the rows (every rank broadcasts)
+        if session.is_driver and (session.pipeline.behind or self.slots.spilled):
+            k = 0        # a released step still runs, or the thread is more steps behind than the launch
+                         # slots: ask for nothing the GPU would wait on, ship the rows (every rank broadcasts)
         seq = self._ship(plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens, k)
         conf = None if self._server_confidence is None else self._server_confidence[:cols.shape[0], :k]
         if seq is not None:

@@ -38,39 +38,72 @@ META_ROWS = 7           # valid rows, sampled, anchor token, first position, tem
 
 
 class LaunchSlots:
-    """``depth`` pinned host slots of ``capacity`` rows; a slot is held until the draft thread
-    is done with its step (the step thread waits only if the thread is ``depth`` steps behind).
+    """``depth`` pinned host slots of ``capacity`` rows, plus spill slots sized to one step; a slot
+    is held until the draft thread is done with its step.
 
-    How long :meth:`acquire` waits for a held slot: first for as long as the GPU has not reached
-    the step that holds it (its launch event; vLLM's host runs ahead of the GPU, and that is no
-    fault of the draft thread's: on the H200 a 16k-token prefill step held a slot for 300 ms
-    that way), then ``timeout`` plus the time to move the step's bytes at
-    ``SHIP_FLOOR_BYTES_PER_S``. Past that the launch fails (the step's rows are lost, its requests
-    fail closed) and, until a slot is released, later launches do not wait at all: a hung draft
-    thread costs one bound, not one per step.
+    When the next fixed slot is still held (the draft thread is that many steps behind: a server
+    answering late, a first-use compile), the step gets a spill slot of exactly its rows from
+    torch's caching pinned allocator instead of waiting, as long as all spill slots together stay
+    within ``spill_bytes`` (default: ``depth`` full slots). A decode step's rows are a small part
+    of a full slot, so the draft thread can fall many steps behind a hiccup and catch up, and the
+    server's context stays whole: a lost step disables its requests for their lifetime, and a
+    prefix-cache sibling of theirs cannot reattach either.
+
+    Only with the spill budget spent does :meth:`acquire` wait for the fixed slot: first for as
+    long as the GPU has not reached the step that holds it (its launch event; vLLM's host runs
+    ahead of the GPU, and that is no fault of the draft thread's: on the H200 a 16k-token prefill
+    step held a slot for 300 ms that way), then ``timeout`` plus the time to move the step's bytes
+    at ``SHIP_FLOOR_BYTES_PER_S``. Past that the launch fails (the step's rows are lost, its
+    requests fail closed) and, until a slot is released, later launches do not wait at all: a hung
+    draft thread costs one bound and the spill budget, not one wait per step.
     """
 
     SHIP_FLOOR_BYTES_PER_S = 5e8         # the slowest a healthy draft thread moves a step's rows
 
-    def __init__(self, depth: int, capacity: int, width: int, dtype: torch.dtype, max_reqs: int, pin: bool):
-        def buf(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(shape, dtype=dtype, pin_memory=pin)
-        self.token_ids = [buf(capacity, dtype=torch.int64) for _ in range(depth)]
-        self.hidden = [buf(capacity, width, dtype=dtype) if width else None for _ in range(depth)]
-        self.meta = [buf(META_ROWS, max_reqs, dtype=torch.int64) for _ in range(depth)]
-        self._busy = [False] * depth
-        self._ready: list[Any] = [None] * depth      # the holding step's launch event (None: reached)
-        self._bytes = [0] * depth                     # the rows it moves
+    def __init__(self, depth: int, capacity: int, width: int, dtype: torch.dtype, max_reqs: int, pin: bool,
+                 spill_bytes: int | None = None):
+        self._shape = (width, dtype, max_reqs, pin)
+        self.token_ids: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor | None] = {}
+        self.meta: dict[int, torch.Tensor] = {}
+        for i in range(depth):
+            self._make(i, capacity)
+        self.depth = depth
+        self.spill_cap = depth * self.slot_bytes(capacity) if spill_bytes is None else int(spill_bytes)
+        self.spilled = 0                              # bytes of the spill slots held now
+        self.spills = 0                               # spill slots handed out so far
+        self._busy = {i: False for i in range(depth)}
+        self._ready: dict[int, Any] = {}              # the holding step's launch event (None: reached)
+        self._bytes: dict[int, int] = {}              # the rows it moves
         self._next = 0
+        self._serial = depth
         self._cond = threading.Condition()
         self.stuck = False                            # a wait ran out and no slot was released since
 
-    def acquire(self, timeout: float, reach_cap: float = 30.0) -> int:
-        """The next slot (see the class docstring); ``reach_cap`` bounds the wait for the GPU."""
+    def slot_bytes(self, rows: int) -> int:
+        width, dtype, max_reqs, _ = self._shape
+        return rows * (8 + width * dtype.itemsize) + META_ROWS * max_reqs * 8
+
+    def _make(self, i: int, rows: int) -> None:
+        width, dtype, max_reqs, pin = self._shape
+        self.token_ids[i] = torch.empty(rows, dtype=torch.int64, pin_memory=pin)
+        self.hidden[i] = torch.empty((rows, width), dtype=dtype, pin_memory=pin) if width else None
+        self.meta[i] = torch.empty((META_ROWS, max_reqs), dtype=torch.int64, pin_memory=pin)
+
+    def acquire(self, timeout: float, reach_cap: float = 30.0, rows: int | None = None) -> int:
+        """A slot for a step of ``rows`` rows (None: a fixed slot only); see the class docstring.
+        ``reach_cap`` bounds the wait for the GPU."""
         with self._cond:
             i = self._next
+            if self._busy[i] and rows is not None:
+                size = self.slot_bytes(rows)
+                if self.spilled + size <= self.spill_cap:
+                    j, self._serial = self._serial, self._serial + 1
+                    self._make(j, rows)
+                    self._busy[j], self.spilled, self.spills = True, self.spilled + size, self.spills + 1
+                    return j
             start = reached = time.monotonic()
-            if self._busy[i] and self._ready[i] is not None:
+            if self._busy[i] and self._ready.get(i) is not None:
                 reached = None
             while self._busy[i]:
                 now = time.monotonic()
@@ -79,14 +112,16 @@ class LaunchSlots:
                 if reached is None:
                     left, poll = reach_cap - (now - start), 0.001
                 else:
-                    left = 0.0 if self.stuck else timeout + self._bytes[i] / self.SHIP_FLOOR_BYTES_PER_S - (now - reached)
+                    left = 0.0 if self.stuck else timeout + self._bytes.get(i, 0) / self.SHIP_FLOOR_BYTES_PER_S - (now - reached)
                     poll = left
                 if left <= 0:
                     self.stuck = True
                     raise TimeoutError(f"launch slot {i} still in use by the draft thread")
                 self._cond.wait(min(left, poll))
-            self._busy[i], self._ready[i], self._bytes[i] = True, None, 0
-            self._next = (i + 1) % len(self._busy)
+            self._busy[i] = True
+            self._ready.pop(i, None)
+            self._bytes.pop(i, None)
+            self._next = (i + 1) % self.depth
             return i
 
     def hold(self, i: int, ready: Any, nbytes: int) -> None:
@@ -96,7 +131,16 @@ class LaunchSlots:
 
     def release(self, i: int) -> None:
         with self._cond:
-            self._busy[i], self._ready[i], self.stuck = False, None, False
+            self._ready.pop(i, None)
+            self._bytes.pop(i, None)
+            self.stuck = False
+            if i >= self.depth:                       # a spill slot: back to torch's pinned cache
+                if self._busy.pop(i, False):
+                    self.spilled -= self.slot_bytes(int(self.token_ids[i].shape[0]))
+                for bufs in (self.token_ids, self.hidden, self.meta):
+                    bufs.pop(i, None)
+            else:
+                self._busy[i] = False
             self._cond.notify_all()
 
 
@@ -207,7 +251,7 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
     compute = torch.cuda.current_stream(dev) if rows.cuda else None
     if compute is not None and rows.copied is not None:
         compute.wait_event(rows.copied)          # the previous copy out of the buffers is done (GPU side)
-    slot = slots.acquire(slot_timeout)
+    slot = slots.acquire(slot_timeout, rows=n)
     try:
         kept = np.zeros(r, dtype=np.int64)
         kept[keep] = 1
