@@ -339,3 +339,45 @@ def test_bad_rows_counts_exactly_the_rows_torch_calls_non_finite(dtype, width):
     finite = hidden.clone()
     finite[torch.from_numpy(expected)] = 0
     assert r.bad_rows(finite, offsets).tolist() == [0, 0, 0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(histories=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=40), min_size=1, max_size=12),
+       probes=st.lists(st.lists(st.integers(0, 1), max_size=40), min_size=1, max_size=6))
+def test_reconnect_restores_the_longest_stored_prefix_among_many_retained(histories, probes):
+    """Many retained contexts whose first tokens collide (a two-token alphabet), shorter and longer
+    than the head a reconnect compares first: it restores what the best of them holds, as a scan of
+    every stored context would (``Model.reconnect``)."""
+    svc = LocalService(max_requests=4, max_requests_total=64, max_retained=64)
+    s = svc.session("r" * 16)
+    for handle, toks in enumerate(histories):
+        assert svc.ingest(s, [(handle, 0, toks)]).ok
+        assert svc.call(s, p.Free([handle], True)).ok
+    for j, toks in enumerate(probes):
+        best = 0
+        for hist in histories:
+            m = min(16, len(hist), len(toks))
+            if m and hist[:m] == toks[:m]:
+                best = max(best, next((i for i, (a, b) in enumerate(zip(hist, toks)) if a != b),
+                                      min(len(hist), len(toks))))
+        reply = svc.reconnect(s, 100 + j, toks)
+        assert reply.ok and reply.result == {"restored": best}, (toks, reply)
+        assert svc.call(s, p.Free([100 + j], False)).ok
+    svc.check_pool()
+
+
+def test_a_finished_context_outlives_many_others_under_the_server_defaults():
+    """vLLM's prefix cache keeps a finished prompt's blocks until memory runs short; the server
+    keeps a finished request's context the same way: 200 other requests finishing in between do
+    not cost a later prefix-cache hit its drafts while the pool has room."""
+    from k3_accel.server.cli import build_parser
+    defaults = build_parser().parse_args(["--engine", "ngram"])
+    svc = LocalService(max_requests=8, max_requests_total=64, max_retained=defaults.max_retained_requests)
+    s = svc.session("d" * 16)
+    prompt = list(range(40))
+    assert svc.ingest(s, [(0, 0, prompt)]).ok and svc.call(s, p.Free([0], True)).ok
+    for handle in range(1, 201):
+        assert svc.ingest(s, [(handle, 0, [1000 + handle] * 20)]).ok
+        assert svc.call(s, p.Free([handle], True)).ok
+    reply = svc.reconnect(s, 999, prompt[:32])
+    assert reply.ok and reply.result == {"restored": 32}

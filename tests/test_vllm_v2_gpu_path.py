@@ -383,6 +383,26 @@ def test_a_step_behind_the_deadline_asks_for_no_drafts_but_ships_its_rows(specul
     assert d.tolist() == [expected_v2(a + [3], 1)]             # the context the server kept is whole
 
 
+def test_a_step_launched_while_the_fixed_slots_are_held_still_drafts(speculator, sim):
+    """With async scheduling vLLM's host runs up to two steps ahead of the GPU, so both fixed launch
+    slots are often still held when a step launches: the normal state, not a late server. Such a
+    step takes a spill slot and still asks for its drafts (on the H200, skipping them cost a
+    fixed K = 7 run at B = 32 a third of its accepted tokens); only the GPU deadline holds drafts back."""
+    a = [1, 2, 3, 1, 2]
+    sim.add("a", a)
+    slots = speculator.slots
+    held = [slots.acquire(0.0) for _ in range(slots.depth)]   # steps the draft thread has not finished,
+    held.append(slots.acquire(0.0, rows=1))                   # the last of them in a spill slot already
+    try:
+        d = sim.propose(speculator, [Sched("a", 0, a, sampled=3)])
+        assert slots.spills == 2
+        assert d.tolist() == [expected_v2(a, 3)]
+    finally:
+        for i in held:
+            slots.release(i)
+    assert speculator.stats()["adapter"]["spill_slots"] == 2
+
+
 def test_a_hung_draft_thread_never_holds_the_step(vllm_config, tp_group, ngram_server, sim, monkeypatch):
     """The draft thread hangs (a server that paused for a compile, a full staging ring): every step
     still returns, with no drafts, while it hangs — the fence by the GPU deadline, never the

@@ -105,8 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lease-s", type=_float_min(0.0), default=20.0,
                     help="free a client session after this many seconds without a message (0 = never); "
                          "clients send a heartbeat every 2 s while idle")
-    ap.add_argument("--max-retained-requests", type=_int_in(0), default=64,
-                    help="freed requests kept for reconnect (LRU)")
+    ap.add_argument("--max-retained-requests", type=_int_in(0), default=1024,
+                    help="finished requests whose contexts are kept for prefix-cache hits and resumed "
+                         "requests to reconnect to (LRU); the pool also gives them back, least recent "
+                         "first, whenever it needs the room, so this bounds only the table")
     ap.add_argument("--session-weight", type=_weight, action="append", default=[], metavar="NAME=W",
                     help="fair-share weight (1..1000, default 1) of the sessions whose CURVE client public key "
                          "or hello label (vLLM: vllm-dpN) is NAME; repeatable. The pool, --max-requests-total "

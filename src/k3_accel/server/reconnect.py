@@ -16,9 +16,7 @@ import torch
 from k3_accel.protocol import ErrorCode
 from k3_accel.server.engines.base import IngestBatch
 from k3_accel.server.rows import outside_vocab, token_tensor, vocab_text
-from k3_accel.server.state import RequestError, RequestState, RequestStore, Session
-
-_PROBE = 16   # tokens compared first, to skip unrelated contexts cheaply
+from k3_accel.server.state import PROBE, RequestError, RequestState, RequestStore, Session
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -31,9 +29,9 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 def best_source(store: RequestStore, session: Session, tokens: np.ndarray) -> tuple[RequestState | None, int]:
     best, best_len = None, 0
-    for state in store.sources(session):
+    for state in store.sources(session, tokens):
         hist = state.history
-        m = min(_PROBE, len(hist), len(tokens))
+        m = min(PROBE, len(hist), len(tokens))
         if m == 0 or not np.array_equal(hist[:m], tokens[:m]):
             continue
         length = common_prefix(hist, tokens)

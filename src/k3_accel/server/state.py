@@ -25,6 +25,7 @@ from k3_accel.server.engines.base import DraftEngine
 from k3_accel.server.share import Division, divide, gives_way, wanting_weight
 
 MAX_EVICTED_MARKS = 4096     # per session: evicted handles remembered (their next rows get CAPACITY)
+PROBE = 16                   # a context's head: the tokens a reconnect's candidates are indexed by
 
 
 class RequestError(Exception):
@@ -86,6 +87,10 @@ class RequestStore:
         self.weights = dict(weights or {})             # client label or CURVE public key -> weight
         self.sessions: dict[str, Session] = {}
         self.retained: OrderedDict[tuple[str, int], RequestState] = OrderedDict()  # LRU, oldest first
+        # retained contexts by (session, head): a reconnect looks up its candidates instead of
+        # scanning a table that may hold thousands (their histories do not change while retained)
+        self._heads: dict[tuple[str, bytes], dict[tuple[str, int], None]] = {}
+        self._head_of: dict[tuple[str, int], tuple[str, bytes]] = {}
         self.num_active = 0
         self.in_flight: list[list[RequestState]] = []  # states of the engine batch being built
         self.on_gave_back: Callable[[Session, str], None] | None = None
@@ -250,6 +255,11 @@ class RequestStore:
         state = self.retained.pop(key, None)
         if state is not None:
             state.session.num_retained -= 1
+            head = self._head_of.pop(key)
+            bucket = self._heads[head]
+            del bucket[key]
+            if not bucket:
+                del self._heads[head]
         return state
 
     def _drop_retained(self, key: tuple[str, int], gave_back: bool = False) -> None:
@@ -290,7 +300,10 @@ class RequestStore:
         old = self._pop_retained((session.key, state.handle))
         if old is not None and old is not state:
             self.engine.release(old.engine_state)
-        self.retained[(session.key, state.handle)] = state
+        key = (session.key, state.handle)
+        self.retained[key] = state
+        head = self._head_of[key] = _head(session.key, state.history)
+        self._heads.setdefault(head, {})[key] = None
         session.num_retained += 1
         while len(self.retained) > self.max_retained:
             key = self._retained_victim(session)
@@ -319,11 +332,19 @@ class RequestStore:
         session.evicted.clear()
         return len(states)
 
-    def sources(self, session: Session) -> Iterable[RequestState]:
-        """Contexts a reconnect of ``session`` may reuse: its active and retained requests."""
+    def sources(self, session: Session, tokens: np.ndarray) -> Iterable[RequestState]:
+        """Contexts a reconnect of ``session`` to ``tokens`` may reuse: its active requests and
+        those of its retained ones whose head is a prefix of ``tokens`` (or that ``tokens`` are a
+        prefix of, when shorter than a head)."""
         yield from session.active.values()
-        if session.num_retained:
+        if not session.num_retained:
+            return
+        if len(tokens) < PROBE:
             yield from (s for (key, _), s in self.retained.items() if key == session.key)
+            return
+        for m in range(1, PROBE + 1):
+            for key in self._heads.get(_head(session.key, tokens[:m]), ()):
+                yield self.retained[key]
 
     # --------------------------------------------------------------- stats
     def summary(self) -> dict[str, Any]:
@@ -337,3 +358,7 @@ class RequestStore:
         return {"active": self.num_active, "retained": len(self.retained), "sessions": per,
                 "pool_blocks": pool.num_blocks, "pool_free_blocks": pool.free_blocks,
                 "pool_block_bytes": pool.block_rows * self.engine.bytes_per_row}
+
+
+def _head(session_key: str, history: np.ndarray) -> tuple[str, bytes]:
+    return session_key, np.ascontiguousarray(history[:PROBE], dtype=np.int64).tobytes()

@@ -248,9 +248,9 @@ class RemoteSpeculatorMixin:
                k: int, cols: torch.Tensor) -> None:
         """Ship the step with a propose and put the drafts into ``cols`` (every rank)."""
         session = self.core.session
-        if session.is_driver and (session.pipeline.behind or self.slots.spilled):
-            k = 0        # a released step still runs, or the thread is more steps behind than the launch
-                         # slots: ask for nothing the GPU would wait on, ship the rows (every rank broadcasts)
+        if session.is_driver and session.pipeline.behind:
+            k = 0        # a step the deadline released still runs: ask for nothing the GPU would wait on,
+            self.core.counters["behind_steps"] += 1     # ship the rows (every rank broadcasts)
         seq = self._ship(plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens, k)
         conf = None if self._server_confidence is None else self._server_confidence[:cols.shape[0], :k]
         if seq is not None:
@@ -284,7 +284,10 @@ class RemoteSpeculatorMixin:
 
     # ------------------------------------------------------------- public
     def stats(self) -> dict[str, Any]:
-        return self.core.stats()
+        out = self.core.stats()
+        if self.slots is not None:       # steps launched while both fixed slots were held (vLLM's host ahead)
+            out["adapter"]["spill_slots"] = self.slots.spills
+        return out
 
     def flush(self) -> None:
         """Wait until every step handed to the draft thread is on the server (tests, shutdown)."""
