@@ -251,3 +251,47 @@ def test_probes_of_a_useless_draft_back_off_but_stay_bounded():
     t.accept = lambda step, i, j: True                                # then a perfect draft
     back = t.step(PROBE_BACKOFF * interval + 20)[-8:]
     assert all(d.sum() > 0 for d in back)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_one_probe_that_finds_a_paying_draft_turns_speculation_back_on(batch):
+    """After a long useless stretch, the first verified probe that finds drafts accepted which would
+    pay on their own turns speculation back on at once, however many rejections came before it
+    (those describe a regime that has ended). On the H200 a run of 128 tokens at B = 1 and 8 stayed
+    off at acceptance length 4 after a run at length 1: one probe per run, outweighed every time."""
+    from k3_accel.vllm.spec_decode.controller import PROBE_BACKOFF
+    interval = 8
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=interval)), batch=batch,
+                   fixed=0.0053, per_token=0.00004, rt=0.0032)   # the H200's Qwen3-8B shape, P6
+    t.stale_budget = True                                    # vLLM's adaptive verification
+    t.accept = lambda step, i, j: False
+    t.step(400)
+    assert sum(1 for d in t.asked[-100:] if d.sum() == 0) >= 80        # off, apart from probes
+    t.accept = lambda step, i, j: j < 3                      # acceptance length 4 from here on
+    after = t.step(PROBE_BACKOFF * interval + 40)
+    first = next(n for n, d in enumerate(after) if d.sum() > 0)          # the next probe
+    assert first <= PROBE_BACKOFF * interval + 1
+    rest = after[first + t.c.s.probe_steps + 1:]
+    assert len(rest) >= 20 and all(d.sum() > 0 for d in rest)          # on from the verified probe on
+
+
+@pytest.mark.parametrize("batch, accept", [
+    (1, lambda step, i, j: False),
+    (8, lambda step, i, j: False),
+    (8, lambda step, i, j: j == 0 and i == 0 and step % 2 == 0),   # one request's first draft, sometimes
+])
+def test_a_probe_that_finds_nothing_leaves_speculation_off(batch, accept):
+    """The same rule never turns a useless draft on: a probe whose accepted drafts would not pay
+    on their own changes nothing but the evidence."""
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=8)), batch=batch,
+                   fixed=0.0053, per_token=0.00004, rt=0.0032)
+    t.stale_budget = True
+    t.accept = lambda step, i, j: False
+    t.step(300)
+    before = t.c.counters["probe_steps"]
+    t.accept = accept
+    late = t.step(300)
+    probes = t.c.counters["probe_steps"] - before
+    assert probes >= 4                                                 # it kept probing ...
+    assert sum(1 for d in late if d.sum() > 0) == probes               # ... and drafted nowhere else
+    assert t.c.counters["probe_restarts"] == 0

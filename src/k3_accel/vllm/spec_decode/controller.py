@@ -10,7 +10,9 @@ into nothing to verify (V1: the scheduler gets no placeholder; V2: confidence
 step asks the server for nothing (its rows still go, as an ingest), and after
 ``probe_interval`` such steps ``probe_steps`` steps in a row draft fully so a draft that
 starts paying again is noticed; while probes find nothing the interval doubles, up to
-``PROBE_BACKOFF`` times, so a useless draft costs ever less (a paying step resets it). Everything it uses is measured:
+``PROBE_BACKOFF`` times, so a useless draft costs ever less (a paying step resets it). A verified
+probe whose accepted drafts would pay on their own restarts the acceptance estimate from them (the
+rejections before it describe a regime that has ended). Everything it uses is measured:
 
 * **acceptance per position**, per request, smoothed toward a global estimate
   (itself starting from ``prior``): from the valid rows the target kept of the
@@ -88,6 +90,10 @@ class Acceptance:
     def decay(self) -> None:
         self.tried *= self.s.decay
         self.accepted *= self.s.decay
+
+    def restart(self, tried: np.ndarray, accepted: np.ndarray) -> None:
+        """The global estimate from these counts alone: what came before describes a regime that ended."""
+        self.tried, self.accepted = tried.astype(float), accepted.astype(float)
 
     def global_rate(self) -> np.ndarray:
         w = self.s.prior_weight
@@ -188,6 +194,7 @@ class Controller:
         self.k_hist: Counter[int] = Counter()
         self.counters: Counter[str] = Counter()
         self._off = 0                          # consecutive steps with speculation off
+        self._probing = False                  # the last step's drafts were a probe's
         self._interval = settings.probe_interval   # off steps before the next probe
         self._last_start: float | None = None
         self._last_wait = 0.0
@@ -271,6 +278,8 @@ class Controller:
             self.acceptance.decay()
         for rid, g, accepted in seen:
             self.acceptance.observe(rid, g, accepted)
+        if seen and self._probing:
+            self._judge_probe(seen, sampled, counts)
         # the forward that just ran (between the last step's end and this one's start) verified
         # the drafts handed out last step: its tokens are the rows plus the rejected drafts
         tokens = int(counts.sum()) + sum(max(0, g - accepted) for _, g, accepted in seen)
@@ -280,11 +289,35 @@ class Controller:
                 self.cost.observe(tokens, period)
         self._last_start = start
 
+    def _judge_probe(self, seen: list, sampled: np.ndarray, counts: np.ndarray) -> None:
+        """A verified probe whose accepted drafts would pay on their own (the batch's survival from
+        this step's counts alone, under the same cost model) restarts the global estimate from them:
+        the rejections before it, however many, describe a regime that has ended, and outweighing
+        one fresh probe with them kept speculation off for whole runs. One that would not pay is
+        just more evidence."""
+        k = self.s.k_max
+        tried, accepted = np.zeros(k), np.zeros(k)
+        for _, g, a in seen:
+            a = max(0, min(a, g))
+            tried[:min(a + 1, g)] += 1
+            accepted[:a] += 1
+        rate = np.divide(accepted, tried, out=np.zeros(k), where=tried > 0)
+        n = int(np.count_nonzero(sampled))
+        if n == 0 or self.cost.n < 1.0:
+            return
+        a, b = self.cost.line()
+        base = float(n + counts[~sampled].sum())
+        surv = np.tile(np.cumprod(rate), (n, 1))
+        if _best_prefix(surv, n, a, b, base, self.cost.round_trip or 0.0, 0).any():
+            self.acceptance.restart(tried, accepted)
+            self.counters["probe_restarts"] += 1
+
     def choose(self, req_ids: Sequence[str], sampled: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """``[R]`` drafts per request for the next step (0 for requests that do not sample)."""
         k = self.s.k_max
         idx = np.flatnonzero(sampled)
         ks = np.zeros(len(req_ids), dtype=np.int64)
+        self._probing = False
         if idx.size == 0 or k == 0:
             return ks
         if self.cost.n < 1.0:                   # no step measured yet: draft fully (and measure)
@@ -304,6 +337,7 @@ class Controller:
                 self._interval = min(self._interval * 2, self.s.probe_interval * PROBE_BACKOFF)
             if self._off > self._interval:
                 chosen[:] = k
+                self._probing = True
                 self.counters["probe_steps"] += 1
         else:
             self._off, self._interval = 0, self.s.probe_interval
