@@ -295,3 +295,26 @@ def test_a_probe_that_finds_nothing_leaves_speculation_off(batch, accept):
     assert probes >= 4                                                 # it kept probing ...
     assert sum(1 for d in late if d.sum() > 0) == probes               # ... and drafted nowhere else
     assert t.c.counters["probe_restarts"] == 0
+
+
+def test_a_lasting_change_of_step_time_is_learnt_not_rejected_as_stalls():
+    """Stalls are rare by nature: when most recent periods exceed what the fit predicts, the fit is
+    what is wrong (its first steps were unlike the rest: a warm-up, a switch of batch regime), and it
+    learns the new step time within a window instead of rejecting every period for good."""
+    c = Controller(ControllerSettings(k_max=K))
+    for _ in range(8):
+        c.cost.observe(32, 0.0004)                 # a fit from steps 25x shorter than the real ones
+    for _ in range(c.cost.window * 2):
+        c.cost.observe(32, 0.010)
+    a, b = c.cost.line()
+    assert a + 32 * b == pytest.approx(0.010, rel=0.05)
+    assert c.cost.stalls <= c.cost.window
+
+
+def test_rare_stalls_still_leave_the_fit_alone():
+    c = Controller(ControllerSettings(k_max=K))
+    for n in range(200):
+        c.cost.observe(32, 1.5 if n % 10 == 5 else 0.010)      # one period in ten is a stall
+    a, b = c.cost.line()
+    assert a + 32 * b == pytest.approx(0.010, rel=0.05)
+    assert c.cost.stalls >= 15

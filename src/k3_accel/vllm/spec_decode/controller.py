@@ -122,7 +122,9 @@ class StepCost:
 
     Robust to stalls (a kernel compile on a GPU engine's first steps, a GC pause): a few
     periods hundreds of times too long move a median little, and once a few steps are measured
-    a period over ``stall_factor`` times the fit's prediction is not taken at all (``stalls``).
+    a period over ``stall_factor`` times the fit's prediction is not taken at all (``stalls``),
+    unless half the recent periods were: stalls are rare, so then the fit is what is wrong (it
+    was learnt from steps unlike the rest) and it learns the new step time instead of locking.
     A least-squares fit, even a decaying one, lets one such period hold speculation off for
     dozens of steps. Until steps of different sizes are seen, a token's marginal cost is taken
     as 1/8 of the average token's.
@@ -138,6 +140,7 @@ class StepCost:
         self.y: deque[float] = deque(maxlen=self.window)     # its period (seconds)
         self.waits: deque[float] = deque(maxlen=self.window)
         self.stalls = 0
+        self._rejected: deque[bool] = deque(maxlen=self.window)   # recent periods taken as stalls
         self._line: tuple[float, float] | None = None
 
     @property
@@ -147,7 +150,10 @@ class StepCost:
     def observe(self, tokens: int, seconds: float) -> None:
         if self.n >= self.min_steps:
             a, b = self.line()
-            if seconds > self.stall_factor * (a + b * tokens) > 0:
+            stall = seconds > self.stall_factor * (a + b * tokens) > 0 and \
+                2 * (sum(self._rejected) + 1) <= self.window
+            self._rejected.append(stall)
+            if stall:
                 self.stalls += 1
                 return
         self.x.append(float(tokens))
@@ -195,6 +201,7 @@ class Controller:
         self.counters: Counter[str] = Counter()
         self._off = 0                          # consecutive steps with speculation off
         self._probing = False                  # the last step's drafts were a probe's
+        self.last_probe: dict[str, Any] | None = None   # what the last verified probe found (stats)
         self._interval = settings.probe_interval   # off steps before the next probe
         self._last_start: float | None = None
         self._last_wait = 0.0
@@ -306,9 +313,14 @@ class Controller:
         if n == 0 or self.cost.n < 1.0:
             return
         a, b = self.cost.line()
+        rt = self.cost.round_trip or 0.0
         base = float(n + counts[~sampled].sum())
-        surv = np.tile(np.cumprod(rate), (n, 1))
-        if _best_prefix(surv, n, a, b, base, self.cost.round_trip or 0.0, 0).any():
+        pays = bool(_best_prefix(np.tile(np.cumprod(rate), (n, 1)), n, a, b, base, rt, 0).any())
+        self.counters["probes_judged"] += 1
+        self.last_probe = {"acceptance": [round(float(x), 3) for x in rate], "pays": pays,
+                           "step_ms": round(a * 1e3, 3), "per_token_ms": round(b * 1e3, 5),
+                           "round_trip_ms": round(rt * 1e3, 3)}
+        if pays:
             self.acceptance.restart(tried, accepted)
             self.counters["probe_restarts"] += 1
 
@@ -357,7 +369,7 @@ class Controller:
                 "acceptance_per_position": [round(float(x), 4) for x in self.acceptance.global_rate()],
                 "step_ms": {"fixed": round(a * 1e3, 4), "per_token": round(b * 1e3, 6)},
                 "round_trip_ms": None if self.cost.round_trip is None else round(self.cost.round_trip * 1e3, 4),
-                "stalled_steps": self.cost.stalls, **self.counters}
+                "stalled_steps": self.cost.stalls, "last_probe": self.last_probe, **self.counters}
 
 
 def _best_prefix(surv: np.ndarray, batch: int, a: float, b: float, base: float, rt: float,
