@@ -318,3 +318,17 @@ def test_rare_stalls_still_leave_the_fit_alone():
     a, b = c.cost.line()
     assert a + 32 * b == pytest.approx(0.010, rel=0.05)
     assert c.cost.stalls >= 15
+
+
+def test_a_token_keeps_its_measured_cost_through_a_stretch_of_equal_steps():
+    """Once steps of different sizes have shown what a token costs, a stretch of steps all of one
+    size (B = 1 with speculation off) does not replace it by a guess: there a token would cost an
+    eighth of the whole step, and seven drafts most of another step."""
+    c = Controller(ControllerSettings(k_max=K))
+    for n in range(c.cost.window):
+        tokens = 32 + 224 * (n % 2)                      # B = 32, drafting and not
+        c.cost.observe(tokens, 0.0053 + 0.00003 * tokens)
+    for _ in range(c.cost.window * 2):
+        c.cost.observe(1, 0.0053)                        # B = 1, speculation off
+    a, b = c.cost.line()
+    assert b == pytest.approx(0.00003, rel=0.05) and a == pytest.approx(0.0053, rel=0.05)
