@@ -38,8 +38,8 @@ for path in (str(HERE), str(HERE.parent / "src")):
 # vLLM's engine processes unpickle p6_stats.stats_on_worker by reference: they must find this folder
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
 
-from p6_stats import (BATCHES, controller_delta, drafter_stats, oracle_counts, phase_delta,  # noqa: E402
-                      spec_counters, trouble)
+from p6_stats import (BATCHES, controller_delta, drafter_stats, measures_drafting,  # noqa: E402
+                      oracle_counts, phase_delta, spec_counters, trouble)
 
 K = 7
 LENGTHS = (1.0, 4.0, 6.5)
@@ -272,9 +272,7 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
                          "draft_tokens": after.get("draft_tokens", 0) - before.get("draft_tokens", 0),
                          "mean_acceptance_length": 1 + acc / drafts if drafts else None,
                          "accepted_per_position": [x / drafts for x in per_pos] if drafts else [],
-                         # a step that failed closed drafts the filler (the last sampled token), which this
-                         # target's constant greedy output accepts: only failure-free runs measure drafting
-                         "plugin_trouble": problems, "valid": not problems,
+                         "plugin_trouble": problems, "valid": measures_drafting(problems),
                          # diagnosis: what went wrong in the untimed run, what the controller chose in the timed one
                          "switch_trouble": trouble(s1, trouble(s0)), "controller": controller_delta(s1, s2),
                          "phases": phase_delta(s1, s2)}

@@ -59,6 +59,17 @@ def trouble(stats: dict | None, before: dict | None = None) -> dict:
     return {**grew, **({"stats": before["stats"]} if "stats" in before else {})}
 
 
+def measures_drafting(problems: dict) -> bool:
+    """Whether a run with these :func:`trouble` counts measures remote drafting. A step the GPU
+    deadline released drafts the filler (the last sampled token), which this target (``--head
+    shift``: it outputs the next id) rejects: such a run measures the system with its hiccups, a
+    little below what drafting gives, and stands. Any other failure (a lost context, a disabled
+    request, unreadable stats) voids it."""
+    released = problems.get("adapter.failures.deadline", 0)
+    rest = {k: v for k, v in problems.items() if k not in ("adapter.failures", "adapter.failures.deadline")}
+    return not rest and problems.get("adapter.failures", 0) == released
+
+
 def controller_delta(before: dict | None, after: dict | None) -> dict | None:
     """The adaptive controller's choices between two stats reads (K chosen per request-step, steps
     off, probes), or None without a controller."""
