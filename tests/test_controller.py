@@ -40,6 +40,10 @@ class FakeTarget:
         # the drafts' own step had (its budget reads the confidences one step late); the runner
         # then reports what it verified (StepInput.num_verified)
         self.stale_budget = False
+        # V2's step thread: a step launched while Controller.stays_off() said so (read ``hold_lag`` steps
+        # before the draft thread gets to it) goes as an ingest, held; None: no step is held
+        self.hold_lag: int | None = None
+        self._holds: list[bool] = []
 
     def step(self, n: int) -> list[np.ndarray]:
         """``n`` decode steps; returns the drafts per request handed to vLLM each step."""
@@ -67,7 +71,13 @@ class FakeTarget:
                             torch.zeros(sum(counts), dtype=torch.int64), sampled,
                             [0] * len(ids), [1] * len(ids), k=K,
                             num_verified=verified + [0] * (pre > 0) if self.stale_budget else None)
-            res = self.c.step(inp, self._server)
+            held = False
+            if self.hold_lag is not None:
+                self._holds.append(self.c.stays_off())
+                held = self._holds[-1 - self.hold_lag] if len(self._holds) > self.hold_lag else False
+                if held:
+                    inp = dataclasses.replace(inp, k=0)
+            res = self.c.step(inp, self._server, held=held)
             got = (res.drafts[:self.batch] >= 0).sum(dim=1).numpy()
             self.asked.append(got)
             self.given = dict(zip(self.ids, got.tolist()))
@@ -332,3 +342,45 @@ def test_a_token_keeps_its_measured_cost_through_a_stretch_of_equal_steps():
         c.cost.observe(1, 0.0053)                        # B = 1, speculation off
     a, b = c.cost.line()
     assert b == pytest.approx(0.00003, rel=0.05) and a == pytest.approx(0.0053, rel=0.05)
+
+
+@pytest.mark.parametrize("lag", [0, 2, 6])
+def test_held_steps_cost_nothing_and_lose_no_probe(lag):
+    """While speculation is off and no probe is due, V2's step thread launches steps as plain
+    ingests (nothing on the GPU waits for the draft thread), reading the controller up to two steps
+    ahead of it. Most off steps go that way, none of them drafts, the probes still come (a probe due
+    on a held step waits for the next one) and a draft that starts paying is noticed as soon as
+    without holding."""
+    from k3_accel.vllm.spec_decode.controller import PROBE_BACKOFF
+    interval = 8
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=interval)), batch=4,
+                   fixed=0.0053, per_token=0.00004, rt=0.0032)
+    t.stale_budget, t.hold_lag = True, lag
+    t.accept = lambda step, i, j: False
+    t.step(400)
+    held = t.c.counters["held_steps"]
+    assert held >= 0.7 * 400                                           # most off steps cost nothing
+    assert t.c.counters["probe_steps"] >= 2 * 6                        # and probes went on
+    t.accept = lambda step, i, j: j < 3
+    after = t.step(PROBE_BACKOFF * interval + 40)
+    first = next(n for n, d in enumerate(after) if d.sum() > 0)
+    assert first <= PROBE_BACKOFF * interval + lag + 2
+    assert all(d.sum() > 0 for d in after[first + t.c.s.probe_steps + lag + 2:])
+
+
+def test_stays_off_only_when_the_next_step_drafts_nothing():
+    """Read right before a step, ``stays_off`` never says so for a step the controller would draft
+    for (a probe, or speculation on), through regime changes both ways."""
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=4)), batch=3,
+                   fixed=0.0053, per_token=0.00004, rt=0.0032)
+    t.stale_budget = True
+    said = []
+    for phase, accept in enumerate([lambda s, i, j: False, lambda s, i, j: j < 4, lambda s, i, j: False,
+                                    lambda s, i, j: i == 0 and j < 2]):
+        t.accept = accept
+        for _ in range(120):
+            said.append(t.c.stays_off())
+            t.step(1)
+    drafted = [d.sum() > 0 for d in t.asked]
+    assert not any(s and d for s, d in zip(said, drafted))
+    assert sum(said) >= 100

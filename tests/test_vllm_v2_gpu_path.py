@@ -339,7 +339,7 @@ def test_fewer_drafts_reach_vllm(vllm_config, tp_group, ngram_server, monkeypatc
     try:
         controller = spec.core.session.pipeline.controller
         assert controller is not None                          # adaptive is the default
-        monkeypatch.setattr(controller, "choose", lambda ids, sampled, counts: np.array([2, 0, K]))
+        monkeypatch.setattr(controller, "choose", lambda ids, sampled, counts, held=False: np.array([2, 0, K]))
         a, b, c = [1, 2, 3, 1, 2], [4, 5, 6, 4, 5], [7, 8, 7, 8, 7]
         for rid, p in zip("abc", (a, b, c)):
             sim.add(rid, p)
@@ -381,6 +381,36 @@ def test_a_step_behind_the_deadline_asks_for_no_drafts_but_ships_its_rows(specul
             pipe._expired.discard(10 ** 9)
     d = sim.propose(speculator, [Sched("a", len(a), [3], sampled=1)])
     assert d.tolist() == [expected_v2(a + [3], 1)]             # the context the server kept is whole
+
+
+def test_a_step_the_controller_holds_off_is_an_ingest_nothing_waits_for(vllm_config, tp_group, ngram_server, sim,
+                                                                       monkeypatch):
+    """While the adaptive controller is off and no probe is due, the step thread launches the step
+    as an ingest: no fence value (nothing on the GPU waits for the draft thread, which on the H200
+    cost a target step about 1 ms of every 5 with speculation off), the rows still reach the server,
+    and the controller counts the step as one it drafted nothing for."""
+    speculator = _speculator(vllm_config, sim, ngram_server.address, monkeypatch, VLLM_K3_DRAFT_ADAPTIVE="on",
+                             VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS="20000")
+    a = [1, 2, 3, 1, 2]
+    sim.add("a", a)
+    pipe = speculator.core.session.pipeline
+    ctl = pipe.controller
+    ctl.acceptance.tried[:] = 1000.0                           # measured: every draft rejected,
+    for tokens in (1, 2, 3, 4):                                # and what a step costs
+        ctl.cost.observe(tokens, 0.010 + 0.001 * tokens)
+    ctl._off, ctl._interval = 1, 10 ** 6                       # off, and no probe due for long
+    seq = pipe._seq
+    d = sim.propose(speculator, [Sched("a", 0, a, sampled=3)])
+    assert d.tolist() == [[3] * K]                             # no drafts: the last sampled token
+    assert pipe._seq == seq                                    # no fence value: nothing waits
+    speculator.flush()
+    stats = server_stats(speculator)
+    assert not stats["ops"].get("propose") and stats["ops"].get("ingest")
+    assert ctl.counters["held_steps"] == 1 and ctl.counters["off_steps"] >= 1
+    ctl._off, ctl._interval = 0, ctl.s.probe_interval         # speculation on again: the step asks
+    sim.propose(speculator, [Sched("a", len(a), [3], sampled=1)])
+    assert pipe._seq == seq + 1
+    speculator.close()
 
 
 def test_a_step_launched_while_the_fixed_slots_are_held_still_drafts(speculator, sim):

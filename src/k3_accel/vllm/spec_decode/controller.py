@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 PROBE_BACKOFF = 4                   # while off, probes back off to at most this x probe_interval
+HOLD_MARGIN = 3                     # steps the step thread may run ahead of the draft thread
 
 
 @dataclass(frozen=True)
@@ -209,15 +210,26 @@ class Controller:
         self._last_wait = 0.0
 
     # ------------------------------------------------------------------ one step
-    def step(self, inp: Any, run: Callable[[Any], Any], decided: Callable[[bool], None] | None = None) -> Any:
+    def stays_off(self) -> bool:
+        """Whether the step being launched may go without drafts unasked: speculation is off and no
+        probe is due soon (nor a probe's verdict: it comes the step after). The step thread asks (V2), up to
+        ``HOLD_MARGIN`` steps ahead of this thread; a step launched so is ``held``: it drafts
+        nothing and a probe that falls due on it waits for the next step that is not."""
+        due = self._off + HOLD_MARGIN > self._interval
+        return self._off > 0 and self.s.k_min == 0 and not due
+
+    def step(self, inp: Any, run: Callable[[Any], Any], decided: Callable[[bool], None] | None = None,
+             held: bool = False) -> Any:
         """Learn from ``inp``, choose, run ``run(inp')`` (the client's step) and mask its drafts.
         ``decided(proposing)`` is called as soon as the choice is made, before ``run``: a step that
-        drafts nothing need not hold the GPU while its rows are shipped."""
+        drafts nothing need not hold the GPU while its rows are shipped. ``held``: launched without
+        drafts on :meth:`stays_off` (an ingest); it counts as a step drafting nothing."""
         start = self.clock()
         sampled = np.asarray(inp.sampled, dtype=bool)
         counts = np.asarray(inp.counts, dtype=np.int64)
         self._learn(inp, sampled, counts, start)
-        ks = self.choose(inp.req_ids, sampled, counts) if inp.k > 0 else np.zeros(len(counts), np.int64)
+        ks = self.choose(inp.req_ids, sampled, counts, held) if inp.k > 0 or held else \
+            np.zeros(len(counts), np.int64)
         ks = np.minimum(ks, inp.k)
         proposing = bool(ks.any())
         if decided is not None:
@@ -326,8 +338,10 @@ class Controller:
             self.acceptance.restart(tried, accepted)
             self.counters["probe_restarts"] += 1
 
-    def choose(self, req_ids: Sequence[str], sampled: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """``[R]`` drafts per request for the next step (0 for requests that do not sample)."""
+    def choose(self, req_ids: Sequence[str], sampled: np.ndarray, counts: np.ndarray,
+               held: bool = False) -> np.ndarray:
+        """``[R]`` drafts per request for the next step (0 for requests that do not sample; all 0
+        when ``held``, see :meth:`step`)."""
         k = self.s.k_max
         idx = np.flatnonzero(sampled)
         ks = np.zeros(len(req_ids), dtype=np.int64)
@@ -349,12 +363,19 @@ class Controller:
             if self._off > self._interval + self.s.probe_steps:     # the last probe found nothing:
                 self._off = 1                                        # back off, up to PROBE_BACKOFF x
                 self._interval = min(self._interval * 2, self.s.probe_interval * PROBE_BACKOFF)
-            if self._off > self._interval:
+            if self._off > self._interval and held:
+                self._off = self._interval                           # the probe waits for the next step
+            elif self._off > self._interval:
                 chosen[:] = k
                 self._probing = True
                 self.counters["probe_steps"] += 1
+        elif held:                                   # it would pay again (the thread was behind):
+            chosen[:] = 0                            # the next step drafts
+            self._off, self._interval = 0, self.s.probe_interval
         else:
             self._off, self._interval = 0, self.s.probe_interval
+        if held:
+            self.counters["held_steps"] += 1
         ks[idx] = chosen
         self.k_hist.update(chosen.tolist())
         self.counters["steps"] += 1

@@ -25,7 +25,9 @@ the H200.
 
 A step the adaptive controller asks no drafts of releases its fence as soon as
 that is decided, before its rows are staged and sent: the GPU never waits for
-the shipping of a step it gets no drafts for.
+the shipping of a step it gets no drafts for. While speculation is off and no
+probe is due (:meth:`~.controller.Controller.stays_off`) the step thread launches
+the step as an ingest (``held``): nothing on the GPU waits for this thread at all.
 
 A watchdog bounds the rest: when a submitted step is still unfinished
 ``stall_s`` after its submission (longer than any wait the draft thread takes
@@ -94,9 +96,11 @@ class DraftPipeline:
         self.call(lambda c: c.start(start_wait_s), wait=False)
 
     # ------------------------------------------------------------ step thread
-    def submit(self, launch: Any, propose: bool) -> int | None:
+    def submit(self, launch: Any, propose: bool, held: bool = False) -> int | None:
         """Queue a launched step; returns the fence value its drafts will be signalled with
-        (None for an ingest-only step: nothing waits for it)."""
+        (None for an ingest-only step: nothing waits for it). ``held``: an ingest-only step the
+        step thread launched so on :meth:`~.controller.Controller.stays_off` (the controller
+        still counts it as a step it drafted nothing for)."""
         if self._closed or not self._thread.is_alive():
             launch.release()
             raise PipelineClosed("the draft thread is closed")
@@ -107,7 +111,7 @@ class DraftPipeline:
             with self._lock:
                 self._pending[seq] = [time.monotonic(), launch, None]
                 self._wake.notify()
-        self._jobs.put((lambda client: self._step(launch, seq), None))
+        self._jobs.put((lambda client: self._step(launch, seq, held), None))
         return seq
 
     def reply_rows(self, seq: int, rows: int, k: int) -> torch.Tensor:
@@ -138,12 +142,12 @@ class DraftPipeline:
             raise value
         return value
 
-    def run_step(self, inp: Any, decided: Callable[[bool], None] | None = None) -> Any:
+    def run_step(self, inp: Any, decided: Callable[[bool], None] | None = None, held: bool = False) -> Any:
         """The client's step, through the controller when there is one (draft thread only);
-        ``decided``: see :meth:`~.controller.Controller.step`."""
+        ``decided``, ``held``: see :meth:`~.controller.Controller.step`."""
         if self.controller is None:
             return self.client.step(inp)
-        return self.controller.step(inp, self.client.step, decided)
+        return self.controller.step(inp, self.client.step, decided, held)
 
     def close(self, timeout: float) -> None:
         """Stop the thread after the queued work (bounded), close the client; the fence is
@@ -187,7 +191,7 @@ class DraftPipeline:
         finally:
             self.fence.close()          # nothing may wait on this thread any more
 
-    def _step(self, launch: Any, seq: int | None) -> None:
+    def _step(self, launch: Any, seq: int | None, held: bool = False) -> None:
         rows = self.reply[seq % 2] if seq is not None else None
         self._where.update(step=seq, since=time.monotonic())
         self._enter("wait_ready")
@@ -208,7 +212,8 @@ class DraftPipeline:
                 return
             try:
                 self._enter("client_step")
-                out = self.run_step(inp, None if seq is None else lambda proposing: proposing or self._release(seq))
+                out = self.run_step(inp, None if seq is None else lambda proposing: proposing or self._release(seq),
+                                    held)
             except Exception:  # noqa: BLE001
                 self.on_failure("step", "the remote draft step")
                 return

@@ -225,7 +225,7 @@ class RemoteSpeculatorMixin:
         return out
 
     def _ship(self, plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
-              k: int) -> int | None:
+              k: int, held: bool = False) -> int | None:
         """Driver: launch the step and hand it to the draft thread; the fence value its drafts
         will carry (None: nothing to wait for). Fails closed."""
         session = self.core.session
@@ -239,7 +239,7 @@ class RemoteSpeculatorMixin:
                           num_sampled, num_rejected, last_sampled, next_prefill_tokens, keep, k,
                           history_rows(input_batch, keep, fresh), self._token_rows(), self._slot_wait_s(session),
                           self._sampling if k > 0 else None)
-            return session.pipeline.submit(step, propose=k > 0)
+            return session.pipeline.submit(step, propose=k > 0, held=held)
         except Exception:  # noqa: BLE001 - fail closed
             self.core.failures.record("step_input", "launching the step's context")
             return None
@@ -248,10 +248,14 @@ class RemoteSpeculatorMixin:
                k: int, cols: torch.Tensor) -> None:
         """Ship the step with a propose and put the drafts into ``cols`` (every rank)."""
         session = self.core.session
+        held = False
         if session.is_driver and session.pipeline.behind:
             k = 0        # a step the deadline released still runs: ask for nothing the GPU would wait on,
             self.core.counters["behind_steps"] += 1     # ship the rows (every rank broadcasts)
-        seq = self._ship(plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens, k)
+        elif session.is_driver and session.pipeline.controller is not None and session.pipeline.controller.stays_off():
+            k, held = 0, True   # speculation off, no probe due: an ingest, nothing on the GPU waits for the thread
+        seq = self._ship(plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens, k,
+                         held)
         conf = None if self._server_confidence is None else self._server_confidence[:cols.shape[0], :k]
         if seq is not None:
             fence, reply = session.pipeline.fence, session.pipeline.reply_rows(seq, cols.shape[0], k)
