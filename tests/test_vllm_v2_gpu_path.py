@@ -400,7 +400,12 @@ def test_a_step_the_controller_holds_off_is_an_ingest_nothing_waits_for(vllm_con
         ctl.cost.observe(tokens, 0.010 + 0.001 * tokens)
     ctl._off, ctl._interval = 1, 10 ** 6                       # off, and no probe due for long
     seq = pipe._seq
+    # every TP rank joins the same broadcasts whatever the driver decided (a DSpark server's confidence too)
+    speculator._server_confidence = torch.full((speculator.max_num_reqs, K), -1.0)
+    shapes = []
+    monkeypatch.setattr(speculator.core.session, "broadcast", lambda t: shapes.append(tuple(t.shape)))
     d = sim.propose(speculator, [Sched("a", 0, a, sampled=3)])
+    assert shapes == [(1, K), (1, K)]
     assert d.tolist() == [[3] * K]                             # no drafts: the last sampled token
     assert pipe._seq == seq                                    # no fence value: nothing waits
     speculator.flush()
@@ -409,7 +414,7 @@ def test_a_step_the_controller_holds_off_is_an_ingest_nothing_waits_for(vllm_con
     assert ctl.counters["held_steps"] == 1 and ctl.counters["off_steps"] >= 1
     ctl._off, ctl._interval = 0, ctl.s.probe_interval         # speculation on again: the step asks
     sim.propose(speculator, [Sched("a", len(a), [3], sampled=1)])
-    assert pipe._seq == seq + 1
+    assert pipe._seq == seq + 1 and shapes[2:] == [(1, K), (1, K)]
     speculator.close()
 
 

@@ -256,7 +256,7 @@ class RemoteSpeculatorMixin:
             k, held = 0, True   # speculation off, no probe due: an ingest, nothing on the GPU waits for the thread
         seq = self._ship(plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens, k,
                          held)
-        conf = None if self._server_confidence is None else self._server_confidence[:cols.shape[0], :k]
+        conf = None if self._server_confidence is None else self._server_confidence[:cols.shape[0], :cols.shape[1]]
         if seq is not None:
             fence, reply = session.pipeline.fence, session.pipeline.reply_rows(seq, cols.shape[0], k)
             if fence.on_device:
