@@ -381,3 +381,25 @@ def test_a_finished_context_outlives_many_others_under_the_server_defaults():
         assert svc.call(s, p.Free([handle], True)).ok
     reply = svc.reconnect(s, 999, prompt[:32])
     assert reply.ok and reply.result == {"restored": 32}
+
+
+def test_a_reconnect_never_finds_a_context_the_server_let_go():
+    """Retained contexts leave the table three ways: the table is full (least recent first), their
+    handle comes back (active again) or the session frees them. A reconnect afterwards finds only
+    what is still stored, with every context sharing the same first tokens."""
+    svc = LocalService(max_requests=8, max_retained=2)
+    s = svc.session("x" * 16)
+    head = list(range(20))
+    for handle, tail in enumerate(([1], [1, 2], [1, 2, 3])):           # the first leaves a full table
+        assert svc.ingest(s, [(handle, 0, head + tail)]).ok and svc.call(s, p.Free([handle], True)).ok
+    reply = svc.reconnect(s, 10, head + [1, 2, 3, 4])
+    assert reply.ok and reply.result == {"restored": 23}
+    assert svc.call(s, p.Free([10], False)).ok
+    assert svc.ingest(s, [(2, 23, [9])]).ok                           # handle 2 is active again
+    assert svc.call(s, p.Free([1], False)).ok                          # handle 1 freed for good
+    reply = svc.reconnect(s, 11, head + [1, 2, 3, 4])
+    assert reply.ok and reply.result == {"restored": 23}               # from handle 2, active: its 23
+    assert svc.call(s, p.Free([2, 11], False)).ok
+    reply = svc.reconnect(s, 12, head + [1, 2])
+    assert reply.ok and reply.result == {"restored": 0}                # nothing of it is stored now
+    svc.check_pool()
