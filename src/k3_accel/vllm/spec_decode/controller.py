@@ -369,10 +369,9 @@ class Controller:
                 chosen[:] = k
                 self._probing = True
                 self.counters["probe_steps"] += 1
-        elif held:                                   # it would pay again (the thread was behind):
-            chosen[:] = 0                            # the next step drafts
-            self._off, self._interval = 0, self.s.probe_interval
         else:
+            if held:                                 # it would pay again (the thread was behind):
+                chosen[:] = 0                        # the next step drafts
             self._off, self._interval = 0, self.s.probe_interval
         if held:
             self.counters["held_steps"] += 1
