@@ -228,10 +228,13 @@ def _save(doc: dict, out: str | None) -> None:
 
 
 # fixed: K = 7 drafts for every request in every step (the plugin's controller off);
-# adaptive: the plugin's per-step K controller with vLLM's adaptive verification, which admits
-# no verification slot for a position the plugin reports with confidence 0 (docs/remote-drafting-v2.md)
+# adaptive: the plugin's per-step K controller (the plugin's default); while it has speculation off
+# the scheduler gate schedules plain decodes (docs/remote-drafting-v2.md);
+# adaptive-av: the same with vLLM's adaptive verification, which also admits no verification slot
+# for a position the plugin reports with confidence 0 (fewer drafts for some requests of a step)
 VARIANTS = {"fixed": ({}, {"adaptive": False}),
-            "adaptive": ({"enable_adaptive_verification": True}, {"adaptive": True})}
+            "adaptive": ({}, {"adaptive": True}),
+            "adaptive-av": ({"enable_adaptive_verification": True}, {"adaptive": True})}
 
 
 def run_variant(name: str, doc: dict, target: str, draft: str, address: str, control: Path,

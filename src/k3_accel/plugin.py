@@ -22,6 +22,7 @@ HOOKS: tuple[tuple[str, str], ...] = (
     ("custom_op", "k3_accel.vllm.tp.custom_op:install"),
     ("speculator_v2", "k3_accel.vllm.spec_decode.hooks:install_v2"),
     ("draft_tp", "k3_accel.vllm.spec_decode.hooks:install_draft_tp"),
+    ("scheduler_gate", "k3_accel.vllm.spec_decode.hooks:install_gate"),
     ("proposer_v1", "k3_accel.vllm.spec_decode.hooks:install_v1"),
 )
 

@@ -9,6 +9,10 @@ change goes through :mod:`k3_accel.vllm.patching`. Patch sites:
   imports (patched now if that module is loaded, else right after its import).
   The wrapper returns ``RemoteSpeculatorV2`` (:mod:`.v2`) when
   :func:`~.methods.remote_enabled` says so, else calls vLLM's function.
+* The scheduler gate (``scheduler_gate``), right after ``vllm.v1.core.sched.scheduler`` is
+  imported: ``Scheduler._update_after_schedule`` caps the step's
+  ``num_spec_tokens_to_schedule`` by the engine's :class:`~.gate.Gate` before vLLM (and
+  ``AsyncScheduler``, which sizes its draft placeholders from it) reads it.
 * V1 (``proposer_v1``), right after ``vllm.v1.worker.gpu_model_runner`` is
   imported (~1.5 s, workers only): ``GPUModelRunner.__init__``,
   ``take_draft_token_ids`` (drafts end at the first -1, so the scheduler
@@ -37,6 +41,9 @@ log = logging.getLogger("k3_accel.vllm")
 HOOK_V2 = "speculator_v2"
 SPEC_DECODE = "vllm.v1.worker.gpu.spec_decode"
 MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
+
+HOOK_GATE = "scheduler_gate"
+SCHEDULER = "vllm.v1.core.sched.scheduler"
 
 HOOK_V1 = "proposer_v1"
 HOOK_DRAFT_TP = "draft_tp"
@@ -90,6 +97,42 @@ def _patch_runner_name(runner: ModuleType) -> None:
     else:
         log.warning("k3-accel: %s.init_speculator is not vLLM's (another plugin?); left alone, so the V2 "
                     "runner may not use remote drafting", MODEL_RUNNER)
+
+
+# ======================================================= scheduler gate
+def install_gate() -> bool:
+    """Cap the scheduler's draft slots by the engine's gate (see :mod:`.gate`) once the
+    scheduler module is imported; engines without a gate schedule exactly as stock."""
+    require("vllm")
+    if not _exists(SCHEDULER):
+        raise MissingSymbol(SCHEDULER)
+    patching.when_imported(SCHEDULER, _patch_scheduler, hook=HOOK_GATE)
+    return True
+
+
+def _patch_scheduler(module: ModuleType) -> None:
+    cls = require(module.__name__, "Scheduler")
+    if patching.patched(cls, "_update_after_schedule") is None:
+        patching.patch(cls, "_update_after_schedule", _wrap_update_after_schedule(cls._update_after_schedule),
+                       hook=HOOK_GATE)
+
+
+_NO_GATE = object()
+
+
+def _wrap_update_after_schedule(update: Callable) -> Callable:
+    from k3_accel.vllm.spec_decode.gate import Gate, gated
+
+    @functools.wraps(update)
+    def _update_after_schedule(self, scheduler_output: Any) -> None:
+        gate = self.__dict__.get("_k3_gate", _NO_GATE)
+        if gate is _NO_GATE:
+            gate = self._k3_gate = Gate.for_engine(self.vllm_config, writer=False)
+        k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+        if gate is not None and k:
+            scheduler_output.num_spec_tokens_to_schedule = gated(k, gate)
+        return update(self, scheduler_output)
+    return _update_after_schedule
 
 
 # ============================================================ draft TP

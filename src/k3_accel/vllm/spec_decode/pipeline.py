@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from k3_accel.transport.staging import pinning_available
+from k3_accel.vllm.spec_decode.gate import gate_value
 
 log = logging.getLogger("k3_accel.vllm")
 
@@ -67,9 +68,10 @@ class DraftPipeline:
 
     def __init__(self, client: Any, fence: Any, max_reqs: int, k: int, on_failure: Callable[[str, str], None],
                  start_wait_s: float = 1.0, controller: Any = None, stall_s: float | None = None,
-                 deadline_s: float | None = None):
+                 deadline_s: float | None = None, gate: Any = None):
         self.client = client
         self.controller = controller
+        self.gate = gate                               # the scheduler's draft slots follow the controller (.gate)
         self.fence = fence
         self.on_failure = on_failure
         self.reply = torch.full((2, max(max_reqs, 1), max(k, 1)), -1, dtype=torch.int64,
@@ -147,7 +149,11 @@ class DraftPipeline:
         ``decided``, ``held``: see :meth:`~.controller.Controller.step`."""
         if self.controller is None:
             return self.client.step(inp)
-        return self.controller.step(inp, self.client.step, decided, held)
+        try:
+            return self.controller.step(inp, self.client.step, decided, held)
+        finally:
+            if self.gate is not None:
+                self.gate.set(gate_value(self.controller))
 
     def close(self, timeout: float) -> None:
         """Stop the thread after the queued work (bounded), close the client; the fence is
@@ -158,6 +164,8 @@ class DraftPipeline:
         self._jobs.put(_STOP)
         self._thread.join(timeout)
         self.fence.close()
+        if self.gate is not None:
+            self.gate.close()
         try:
             self.client.close()
         except Exception:  # noqa: BLE001 - shutdown must not raise

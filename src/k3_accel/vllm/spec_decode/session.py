@@ -156,11 +156,14 @@ class RemoteDraftSession:
         if self.group.rank_in_group == 0:
             from k3_accel.transport.client import DraftClient
             from k3_accel.vllm.spec_decode.fence import make_fence
+            from k3_accel.vllm.spec_decode.gate import Gate
             from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
             self.settings = settings = client_settings(vllm_config, self.facts, device if device_rows else None)
+            controller = make_controller(from_vllm(vllm_config), self.facts)
             self.pipeline = DraftPipeline(DraftClient(settings), make_fence(device), self.facts.max_num_seqs,
                                           self.facts.num_speculative_tokens, self._thread_failure,
-                                          controller=make_controller(from_vllm(vllm_config), self.facts),
+                                          controller=controller,
+                                          gate=None if controller is None else Gate.for_engine(vllm_config, True),
                                           # past the longest a healthy step can take (its sender, ring and
                                           # device-slot waits, each up to the timeout); the GPU has the deadline
                                           stall_s=4 * settings.timeout_s + 5.0,

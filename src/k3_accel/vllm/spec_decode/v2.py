@@ -18,8 +18,8 @@ hooks. ``propose(...)`` translates the runner's arguments for the
 * The skip rule reads ``max_tokens`` from ``RequestState`` (``max_seq_len -
   prompt_len``); vLLM dropping a request from ``req_id_to_index`` frees it.
 
-``num_speculative_tokens=0`` (the scheduler's ``skip_drafts``) still ships
-context. Dummy and profile runs, and the steps of vLLM's kernel warm-up
+``num_speculative_tokens=0`` (the scheduler's ``skip_drafts``, or the
+adaptive controller's scheduler gate, :mod:`.gate`) still ships context. Dummy and profile runs, and the steps of vLLM's kernel warm-up
 (request ids ``_warmup_*`` / ``_v2_mixed_warmup_*``), return without touching
 the network or the TP group. "No draft" leaves this module as the request's
 last sampled token, not -1: the V2 runner feeds drafts to the target's
@@ -214,9 +214,9 @@ class RemoteSpeculatorMixin:
             if plan is not None and k > 0 and samples_host(input_batch, r)[plan[0]].any():
                 self._draft(plan, input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
                             next_prefill_tokens, k, out[:, :k])
-            elif plan is not None:
+            elif plan is not None:          # K = 0 (the scheduler gate, vLLM's skip_drafts) or nobody samples:
                 self._ship(plan, input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
-                           next_prefill_tokens, 0)
+                           next_prefill_tokens, 0, held=self._controlled())   # a step the controller counts as off
         if k > 0:
             confidence.fill(self._confidence[:r, :k], out[:, :k],
                             None if self._server_confidence is None else self._server_confidence[:r, :k])
@@ -271,6 +271,10 @@ class RemoteSpeculatorMixin:
         session.broadcast(cols)
         if conf is not None:
             session.broadcast(conf)
+
+    def _controlled(self) -> bool:
+        session = self.core.session
+        return bool(session is not None and session.is_driver and session.pipeline.controller is not None)
 
     @staticmethod
     def _slot_wait_s(session) -> float:

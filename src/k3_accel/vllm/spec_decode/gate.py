@@ -1,0 +1,136 @@
+"""The scheduler gate: on the V2 runner, speculation that is off costs a plain decode.
+
+With async scheduling vLLM's scheduler gives every decode request its draft
+slots before the drafts exist (``num_spec_tokens_to_schedule`` placeholders),
+so a step the adaptive controller drafts nothing for still verifies K filler
+tokens per request, unless vLLM's adaptive verification trims them (at the
+price of a host sync each step). The gate moves the controller's on/off to the
+scheduler instead, through vLLM's own per-step draft count (the dynamic
+speculative decoding path): while :meth:`~.controller.Controller.stays_off`,
+the driver rank's draft thread writes 0 to a one-word shared file named by the
+engine (``vllm_config.instance_id``), and the scheduler (patched in
+:mod:`.hooks`) schedules ``min(its own K, the gate's)`` draft slots; the next
+step is a plain decode and its ``propose`` gets ``num_speculative_tokens=0``.
+The controller opens the gate ``HOLD_MARGIN`` steps before a probe is due.
+
+Every TP rank runs what the one scheduler scheduled, so the ranks agree. A gate
+the scheduler cannot read (none written yet, another host) is no gate: vLLM's
+own K. Outputs never depend on it (fewer drafts, never different tokens).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import tempfile
+from typing import Any
+
+from k3_accel.config import ConfigError, from_vllm
+
+log = logging.getLogger("k3_accel.vllm")
+
+_WORD = struct.Struct("<i")
+
+
+def applies(vllm_config: Any) -> bool:
+    """Whether this engine's scheduler follows a gate: remote drafting on the V2 runner with the
+    adaptive controller free to turn speculation off (``adaptive``, ``adaptive_min_k`` 0)."""
+    from k3_accel.vllm.spec_decode.methods import remote_enabled
+    if getattr(vllm_config, "speculative_config", None) is None:
+        return False
+    if not getattr(vllm_config, "use_v2_model_runner", False) or not getattr(vllm_config, "instance_id", ""):
+        return False
+    try:
+        config = from_vllm(vllm_config)
+    except ConfigError:
+        return False
+    return bool(config.adaptive and config.adaptive_min_k == 0 and remote_enabled(vllm_config))
+
+
+def gate_path(instance_id: str) -> str:
+    """The engine's gate file: in ``/dev/shm`` where there is one (memory, not disk)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in str(instance_id))
+    return os.path.join(base, f"k3-accel-gate-{os.getuid()}-{safe}")
+
+
+class Gate:
+    """One int32 in a shared file: the most drafts per request the scheduler may schedule."""
+
+    def __init__(self, path: str, writer: bool, k: int = 0):
+        self.path = path
+        self.writer = writer
+        self._map: mmap.mmap | None = None
+        self._value: int | None = None
+        if writer:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, _WORD.size)
+                self._map = mmap.mmap(fd, _WORD.size)
+            finally:
+                os.close(fd)
+            self.set(k)
+
+    @classmethod
+    def for_engine(cls, vllm_config: Any, writer: bool) -> "Gate | None":
+        """The engine's gate (None when :func:`applies` says it has none); the writer starts at K."""
+        if not applies(vllm_config):
+            return None
+        k = int(vllm_config.speculative_config.num_speculative_tokens)
+        try:
+            return cls(gate_path(vllm_config.instance_id), writer, k)
+        except OSError as exc:
+            log.warning("k3-accel: no scheduler gate (%s): speculation that is off still verifies K per request",
+                        exc)
+            return None
+
+    def set(self, k: int) -> None:
+        """Writer: the next steps may schedule at most ``k`` drafts per request."""
+        if self._map is not None and k != self._value:
+            _WORD.pack_into(self._map, 0, int(k))
+            self._value = k
+
+    def get(self) -> int | None:
+        """Reader: the gate's value (None: no gate readable, vLLM's own K applies)."""
+        if self._map is None:
+            try:
+                fd = os.open(self.path, os.O_RDONLY)
+            except OSError:
+                return None
+            try:
+                if os.fstat(fd).st_size < _WORD.size:
+                    return None
+                self._map = mmap.mmap(fd, _WORD.size, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        return _WORD.unpack_from(self._map, 0)[0]
+
+    def close(self) -> None:
+        """Writer: the scheduler goes back to vLLM's own K; the file is removed."""
+        if self._map is None:
+            return
+        if self.writer:
+            self._value = None
+            self.set(2 ** 31 - 1)
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        self._map.close()
+        self._map = None
+
+
+def gate_value(controller: Any) -> int:
+    """What the draft thread writes after each step: 0 while the controller stays off (no probe due
+    within ``HOLD_MARGIN`` steps), else its K."""
+    return 0 if controller.stays_off() else controller.s.k_max
+
+
+def gated(k_scheduled: int, gate: Gate | None) -> int:
+    """What the scheduler schedules: its own K, capped by a readable gate."""
+    value = gate.get() if gate is not None else None
+    return k_scheduled if value is None else max(0, min(k_scheduled, value))
+
+
+__all__ = ["Gate", "applies", "gate_path", "gate_value", "gated"]
