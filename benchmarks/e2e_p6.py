@@ -278,6 +278,7 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
                          "plugin_trouble": problems, "valid": measures_drafting(problems),
                          # diagnosis: what went wrong in the untimed run, what the controller chose in the timed one
                          "switch_trouble": trouble(s1, trouble(s0)), "controller": controller_delta(s1, s2),
+                         "gate": (s2 or {}).get("gate") if isinstance(s2, dict) else None,
                          "phases": phase_delta(s1, s2)}
                 out.setdefault(str(length), {})[b] = entry
                 print(json.dumps({"variant": name, "length": length, "B": b, **entry}), flush=True)

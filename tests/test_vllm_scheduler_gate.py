@@ -108,3 +108,50 @@ def test_a_scheduler_without_a_readable_gate_schedules_as_stock(v2_config):
     s.schedule()
     out = s.schedule()
     assert out.num_spec_tokens_to_schedule == K and _drafts(out) == {"a": K}
+
+
+def test_the_v2_speculator_closes_the_gate_when_drafts_stop_paying_and_opens_it_for_a_probe(
+        vllm_config, tp_group, ngram_server, monkeypatch):
+    """The whole loop on the driver rank: a real V2 speculator with the adaptive controller and a real
+    ngram server whose drafts the target never accepts. The gate the scheduler reads closes; the steps
+    vLLM then runs with K = 0 count as off steps (held), so a probe still comes: the gate opens for it."""
+    import torch
+    from helpers.v2_sim import Sched, Sim
+
+    from k3_accel.vllm.spec_decode import hooks
+    from k3_accel.vllm.spec_decode.gate import Gate, gate_path
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", ngram_server.address)
+    monkeypatch.setenv("VLLM_K3_DRAFT_ADAPTIVE_PROBE_INTERVAL", "8")
+    monkeypatch.setenv("VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS", "20000")
+    cfg = copy.copy(vllm_config)
+    cfg.instance_id = f"gate-loop-{id(cfg)}"
+    hooks.install_v2()
+    sim = Sim()
+    spec_decode = pytest.importorskip("vllm.v1.worker.gpu.spec_decode")
+    spec = spec_decode.init_speculator(cfg, torch.device("cpu"), sim.req_states)
+    reader = Gate(gate_path(cfg.instance_id), writer=False)
+    try:
+        assert spec.core.session.pipeline.gate is not None
+        prompt = [5, 6, 7, 8] * 6                      # the ngram server drafts from the prompt's repeats
+        sim.add("a", prompt, max_tokens=400)
+        sim.propose(spec, [Sched("a", 0, prompt, sampled=9)], k=K)
+        pos, seen, k_next, drafted = len(prompt), [], K, K
+        for step in range(120):
+            tokens = [9 + step % 50] + [1] * drafted  # the last sampled token, then the drafts: all rejected
+            d = sim.propose(spec, [Sched("a", pos, tokens, sampled=10 + step % 50, rejected=drafted,
+                                         drafts=drafted)], k=k_next)
+            spec.flush()
+            pos += 1
+            drafted = k_next
+            seen.append(reader.get())
+            k_next = min(K, seen[-1])                  # what the scheduler schedules for the next step
+        stats = spec.stats()["controller"]
+    finally:
+        spec.close()
+    assert seen.count(0) >= 60                        # mostly closed: plain decodes
+    opened = [i for i in range(1, len(seen)) if seen[i] == K and seen[i - 1] == 0]
+    assert opened                                     # and opened again for a probe
+    assert stats["held_steps"] >= 40 and stats["probe_steps"] >= 1
+    assert reader.get() != 0                          # a closed speculator leaves vLLM its own K

@@ -33,19 +33,35 @@ log = logging.getLogger("k3_accel.vllm")
 _WORD = struct.Struct("<i")
 
 
-def applies(vllm_config: Any) -> bool:
-    """Whether this engine's scheduler follows a gate: remote drafting on the V2 runner with the
-    adaptive controller free to turn speculation off (``adaptive``, ``adaptive_min_k`` 0)."""
+def why_not(vllm_config: Any) -> str | None:
+    """Why this engine's scheduler follows no gate (None: it does). A gate needs remote drafting on
+    the V2 runner with the adaptive controller free to turn speculation off (``adaptive``,
+    ``adaptive_min_k`` 0)."""
     from k3_accel.vllm.spec_decode.methods import remote_enabled
     if getattr(vllm_config, "speculative_config", None) is None:
-        return False
-    if not getattr(vllm_config, "use_v2_model_runner", False) or not getattr(vllm_config, "instance_id", ""):
-        return False
+        return "no speculative decoding"
+    if not getattr(vllm_config, "use_v2_model_runner", False):
+        return "the V1 runner schedules only the drafts it has"
+    if not getattr(vllm_config, "instance_id", ""):
+        return "the engine has no instance_id"
     try:
         config = from_vllm(vllm_config)
-    except ConfigError:
-        return False
-    return bool(config.adaptive and config.adaptive_min_k == 0 and remote_enabled(vllm_config))
+    except ConfigError as exc:
+        return f"bad setting: {exc}"
+    if not config.adaptive or config.adaptive_min_k != 0:
+        return "the adaptive controller is off or may not turn speculation off (adaptive_min_k > 0)"
+    if not remote_enabled(vllm_config):
+        return "the method is not drafted remotely"
+    return None
+
+
+def applies(vllm_config: Any) -> bool:
+    return why_not(vllm_config) is None
+
+
+# what this process's gates did (``stats()["gate"]``): the writer of the driver rank and, where the
+# scheduler runs in this process (one GPU: the engine core hosts the worker), the scheduler's reader
+STATE: dict[str, dict[str, Any] | None] = {"writer": None, "scheduler": None}
 
 
 def gate_path(instance_id: str) -> str:
@@ -75,11 +91,21 @@ class Gate:
     @classmethod
     def for_engine(cls, vllm_config: Any, writer: bool) -> "Gate | None":
         """The engine's gate (None when :func:`applies` says it has none); the writer starts at K."""
-        if not applies(vllm_config):
+        why = why_not(vllm_config)
+        if not writer:
+            STATE["scheduler"] = {"why_not": why, "reads": 0, "unreadable": 0, "capped": 0, "last": None}
+        elif why is not None:
+            STATE["writer"] = {"why_not": why}
+        if why is not None:
             return None
         k = int(vllm_config.speculative_config.num_speculative_tokens)
         try:
-            return cls(gate_path(vllm_config.instance_id), writer, k)
+            gate = cls(gate_path(vllm_config.instance_id), writer, k)
+            if writer:
+                STATE["writer"] = {"path": gate.path, "value": k, "sets": 0}
+            else:
+                STATE["scheduler"]["path"] = gate.path
+            return gate
         except OSError as exc:
             log.warning("k3-accel: no scheduler gate (%s): speculation that is off still verifies K per request",
                         exc)
@@ -90,6 +116,8 @@ class Gate:
         if self._map is not None and k != self._value:
             _WORD.pack_into(self._map, 0, int(k))
             self._value = k
+            if STATE["writer"] is not None and STATE["writer"].get("path") == self.path:
+                STATE["writer"].update(value=int(k), sets=STATE["writer"]["sets"] + 1)
 
     def get(self) -> int | None:
         """Reader: the gate's value (None: no gate readable, vLLM's own K applies)."""
@@ -130,7 +158,14 @@ def gate_value(controller: Any) -> int:
 def gated(k_scheduled: int, gate: Gate | None) -> int:
     """What the scheduler schedules: its own K, capped by a readable gate."""
     value = gate.get() if gate is not None else None
-    return k_scheduled if value is None else max(0, min(k_scheduled, value))
+    out = k_scheduled if value is None else max(0, min(k_scheduled, value))
+    seen = STATE["scheduler"]
+    if gate is not None and seen is not None and seen.get("path") == gate.path:
+        seen["reads"] += 1
+        seen["unreadable"] += value is None
+        seen["capped"] += out < k_scheduled
+        seen["last"] = value
+    return out
 
 
-__all__ = ["Gate", "applies", "gate_path", "gate_value", "gated"]
+__all__ = ["STATE", "Gate", "applies", "gate_path", "gate_value", "gated", "why_not"]

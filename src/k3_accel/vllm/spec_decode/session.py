@@ -264,7 +264,9 @@ class RemoteDraftSession:
         controller = self.pipeline.controller
 
         def stats(client):
-            return {**client.stats(), "controller": controller.snapshot() if controller is not None else None}
+            from k3_accel.vllm.spec_decode.gate import STATE
+            return {**client.stats(), "controller": controller.snapshot() if controller is not None else None,
+                    "gate": {role: dict(v) if v else None for role, v in STATE.items()}}
         return self.pipeline.call(stats, timeout=self._wait_s())
 
     def close(self) -> None:
