@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 from helpers.server import SRC
-from k3_accel.vllm.spec_decode.gate import Gate, gate_path, gated
+from k3_accel.vllm.spec_decode.gate import Gate, engine_key, gate_path, gated
 
 
 def _read_in_child(path: str, k: int) -> int:
@@ -45,6 +46,26 @@ def test_a_short_or_foreign_file_is_no_gate(tmp_path):
     path = tmp_path / "gate"
     path.write_bytes(b"\x00")
     assert gated(5, Gate(str(path), writer=False)) == 5
+
+
+def test_a_driver_worker_in_a_child_process_gates_its_parents_scheduler():
+    """With several GPUs (executor ``mp``) the draft thread runs in a worker process the engine
+    core started; its gate is the one the engine core's scheduler reads."""
+    code = ("import types; from k3_accel.vllm.spec_decode.gate import Gate, engine_key, gate_path; "
+            "cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(distributed_executor_backend='mp')); "
+            "g = Gate(gate_path(engine_key(cfg, writer=True)), writer=True, k=0); print(g.path)")
+    env = {**os.environ, "PYTHONPATH": SRC}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(distributed_executor_backend="mp"))
+    path = gate_path(engine_key(cfg, writer=False))
+    try:
+        assert out.stdout.strip() == path
+        assert gated(7, Gate(path, writer=False)) == 0
+    finally:
+        os.unlink(path)
+    one = types.SimpleNamespace(parallel_config=types.SimpleNamespace(distributed_executor_backend="uni"))
+    assert engine_key(one, writer=True) == engine_key(one, writer=False)    # one GPU: the same process
 
 
 def test_gate_paths_are_per_engine_and_safe():

@@ -20,13 +20,15 @@ sched_mod = pytest.importorskip("vllm.v1.core.sched.async_scheduler")
 @pytest.fixture
 def v2_config(vllm_config, monkeypatch):
     """The session's config with an address, on the V2 runner (vLLM picks V1 on a CPU without
-    Triton unless told), a fresh engine id, and KV blocks for the scheduler."""
+    Triton unless told), the driver worker in the engine core's process (one GPU), and KV blocks
+    for the scheduler."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     cfg = copy.copy(vllm_config)
     cfg.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9"}}
-    cfg.instance_id = f"gate-test-{id(cfg)}"
     cfg.cache_config = copy.copy(vllm_config.cache_config)
     cfg.cache_config.num_gpu_blocks = 256
+    cfg.parallel_config = copy.copy(vllm_config.parallel_config)
+    cfg.parallel_config.distributed_executor_backend = "uni"      # the driver worker in this process
     assert cfg.use_v2_model_runner
     return cfg
 
@@ -98,6 +100,10 @@ def test_no_gate_without_the_adaptive_controller_or_the_v2_runner(v2_config, mon
     local.additional_config = {}
     assert not applies(fixed) and not applies(floor) and not applies(local)
     assert Gate.for_engine(fixed, writer=True) is None
+    ray = copy.copy(v2_config)
+    ray.parallel_config = copy.copy(v2_config.parallel_config)
+    ray.parallel_config.distributed_executor_backend = "ray"
+    assert not applies(ray)                                    # the draft thread may be on another host
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert not applies(v2_config)                              # V1 schedules only the drafts it has
 
@@ -119,19 +125,20 @@ def test_the_v2_speculator_closes_the_gate_when_drafts_stop_paying_and_opens_it_
     from helpers.v2_sim import Sched, Sim
 
     from k3_accel.vllm.spec_decode import hooks
-    from k3_accel.vllm.spec_decode.gate import Gate, gate_path
+    from k3_accel.vllm.spec_decode.gate import Gate, engine_key, gate_path
 
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", ngram_server.address)
     monkeypatch.setenv("VLLM_K3_DRAFT_ADAPTIVE_PROBE_INTERVAL", "8")
     monkeypatch.setenv("VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS", "20000")
     cfg = copy.copy(vllm_config)
-    cfg.instance_id = f"gate-loop-{id(cfg)}"
+    cfg.parallel_config = copy.copy(vllm_config.parallel_config)
+    cfg.parallel_config.distributed_executor_backend = "uni"      # the driver worker in this process
     hooks.install_v2()
     sim = Sim()
     spec_decode = pytest.importorskip("vllm.v1.worker.gpu.spec_decode")
     spec = spec_decode.init_speculator(cfg, torch.device("cpu"), sim.req_states)
-    reader = Gate(gate_path(cfg.instance_id), writer=False)
+    reader = Gate(gate_path(engine_key(cfg, writer=False)), writer=False)   # what the scheduler reads
     try:
         assert spec.core.session.pipeline.gate is not None
         prompt = [5, 6, 7, 8] * 6                      # the ngram server drafts from the prompt's repeats

@@ -8,7 +8,7 @@ price of a host sync each step). The gate moves the controller's on/off to the
 scheduler instead, through vLLM's own per-step draft count (the dynamic
 speculative decoding path): while :meth:`~.controller.Controller.stays_off`,
 the driver rank's draft thread writes 0 to a one-word shared file named by the
-engine (``vllm_config.instance_id``), and the scheduler (patched in
+engine (the engine core's process id, :func:`engine_key`), and the scheduler (patched in
 :mod:`.hooks`) schedules ``min(its own K, the gate's)`` draft slots; the next
 step is a plain decode and its ``propose`` gets ``num_speculative_tokens=0``.
 The controller opens the gate ``HOLD_MARGIN`` steps before a probe is due.
@@ -31,6 +31,7 @@ from k3_accel.config import ConfigError, from_vllm
 log = logging.getLogger("k3_accel.vllm")
 
 _WORD = struct.Struct("<i")
+LOCAL_BACKENDS = (None, "uni", "mp")       # executors whose driver worker is the engine core or its child
 
 
 def why_not(vllm_config: Any) -> str | None:
@@ -42,8 +43,9 @@ def why_not(vllm_config: Any) -> str | None:
         return "no speculative decoding"
     if not getattr(vllm_config, "use_v2_model_runner", False):
         return "the V1 runner schedules only the drafts it has"
-    if not getattr(vllm_config, "instance_id", ""):
-        return "the engine has no instance_id"
+    backend = getattr(getattr(vllm_config, "parallel_config", None), "distributed_executor_backend", None)
+    if backend not in LOCAL_BACKENDS:
+        return f"executor {backend!r}: the draft thread may not share a host with the scheduler"
     try:
         config = from_vllm(vllm_config)
     except ConfigError as exc:
@@ -64,10 +66,19 @@ def applies(vllm_config: Any) -> bool:
 STATE: dict[str, dict[str, Any] | None] = {"writer": None, "scheduler": None}
 
 
-def gate_path(instance_id: str) -> str:
+def engine_key(vllm_config: Any, writer: bool) -> str:
+    """What names the engine on both sides: the engine core's process id. The scheduler runs in the
+    engine core; the draft thread runs in the driver worker, which is the engine core itself with
+    one GPU (``uni``) and its child with several (``mp``). Not ``instance_id``: vLLM rebuilds the
+    config between the worker's start and the scheduler's (a new id, seen on the H200)."""
+    backend = getattr(getattr(vllm_config, "parallel_config", None), "distributed_executor_backend", None)
+    return f"pid{os.getppid() if writer and backend == 'mp' else os.getpid()}"
+
+
+def gate_path(key: str) -> str:
     """The engine's gate file: in ``/dev/shm`` where there is one (memory, not disk)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in str(instance_id))
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in str(key))
     return os.path.join(base, f"k3-accel-gate-{os.getuid()}-{safe}")
 
 
@@ -100,7 +111,7 @@ class Gate:
             return None
         k = int(vllm_config.speculative_config.num_speculative_tokens)
         try:
-            gate = cls(gate_path(vllm_config.instance_id), writer, k)
+            gate = cls(gate_path(engine_key(vllm_config, writer)), writer, k)
             if writer:
                 STATE["writer"] = {"path": gate.path, "value": k, "sets": 0}
             else:
@@ -168,4 +179,4 @@ def gated(k_scheduled: int, gate: Gate | None) -> int:
     return out
 
 
-__all__ = ["STATE", "Gate", "applies", "gate_path", "gate_value", "gated", "why_not"]
+__all__ = ["STATE", "Gate", "applies", "engine_key", "gate_path", "gate_value", "gated", "why_not"]
