@@ -228,13 +228,16 @@ def _save(doc: dict, out: str | None) -> None:
 
 
 # fixed: K = 7 drafts for every request in every step (the plugin's controller off);
-# adaptive: the plugin's per-step K controller (the plugin's default); while it has speculation off
-# the scheduler gate schedules plain decodes (docs/remote-drafting-v2.md);
-# adaptive-av: the same with vLLM's adaptive verification, which also admits no verification slot
-# for a position the plugin reports with confidence 0 (fewer drafts for some requests of a step)
+# adaptive: the plugin's per-step K controller (the plugin's default);
+# adaptive-av: the same with vLLM's adaptive verification, which admits no verification slot for a
+# position the plugin reports with confidence 0 (fewer drafts for some requests of a step);
+# adaptive-gate(-av): with the scheduler gate (``adaptive_gate``): while the controller has speculation
+# off the scheduler schedules plain decodes (docs/remote-drafting-v2.md)
 VARIANTS = {"fixed": ({}, {"adaptive": False}),
             "adaptive": ({}, {"adaptive": True}),
-            "adaptive-av": ({"enable_adaptive_verification": True}, {"adaptive": True})}
+            "adaptive-av": ({"enable_adaptive_verification": True}, {"adaptive": True}),
+            "adaptive-gate": ({}, {"adaptive": True, "adaptive_gate": True}),
+            "adaptive-gate-av": ({"enable_adaptive_verification": True}, {"adaptive": True, "adaptive_gate": True})}
 
 
 def run_variant(name: str, doc: dict, target: str, draft: str, address: str, control: Path,
@@ -346,7 +349,7 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--plugin", default="{}",
                     help='more additional_config["k3_accel"] keys as JSON, e.g. \'{"adaptive": "off"}\' for a fixed K')
-    ap.add_argument("--variants", default="fixed,adaptive", help="fixed: K=7 always; adaptive: the plugin's controller")
+    ap.add_argument("--variants", default="fixed,adaptive", help="comma-separated, of: " + ", ".join(VARIANTS))
     ap.add_argument("--adaptive-out", default=None, help="issue 24's adaptive-h200.json")
     ap.add_argument("--shape", choices=["qwen3-8b", "tiny"], default="qwen3-8b", help="tiny: CPU smoke run")
     args = ap.parse_args()

@@ -24,7 +24,7 @@ def v2_config(vllm_config, monkeypatch):
     for the scheduler."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     cfg = copy.copy(vllm_config)
-    cfg.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9"}}
+    cfg.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9", "adaptive_gate": True}}
     cfg.cache_config = copy.copy(vllm_config.cache_config)
     cfg.cache_config.num_gpu_blocks = 256
     cfg.parallel_config = copy.copy(vllm_config.parallel_config)
@@ -93,12 +93,16 @@ def test_no_gate_without_the_adaptive_controller_or_the_v2_runner(v2_config, mon
     from k3_accel.vllm.spec_decode.gate import Gate, applies
     assert applies(v2_config)
     fixed = copy.copy(v2_config)
-    fixed.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9", "adaptive": False}}
+    fixed.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9", "adaptive_gate": True,
+                                            "adaptive": False}}
     floor = copy.copy(v2_config)
-    floor.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9", "adaptive_min_k": 1}}
+    floor.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9", "adaptive_gate": True,
+                                            "adaptive_min_k": 1}}
+    default = copy.copy(v2_config)
+    default.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9"}}   # the gate is opt-in
     local = copy.copy(v2_config)
     local.additional_config = {}
-    assert not applies(fixed) and not applies(floor) and not applies(local)
+    assert not applies(fixed) and not applies(floor) and not applies(local) and not applies(default)
     assert Gate.for_engine(fixed, writer=True) is None
     ray = copy.copy(v2_config)
     ray.parallel_config = copy.copy(v2_config.parallel_config)
@@ -130,6 +134,7 @@ def test_the_v2_speculator_closes_the_gate_when_drafts_stop_paying_and_opens_it_
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", ngram_server.address)
     monkeypatch.setenv("VLLM_K3_DRAFT_ADAPTIVE_PROBE_INTERVAL", "8")
+    monkeypatch.setenv("VLLM_K3_DRAFT_ADAPTIVE_GATE", "on")
     monkeypatch.setenv("VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS", "20000")
     cfg = copy.copy(vllm_config)
     cfg.parallel_config = copy.copy(vllm_config.parallel_config)

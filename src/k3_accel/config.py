@@ -103,6 +103,7 @@ class K3Config:
     adaptive: bool = True                     # per-step K from measured acceptance and costs; off = fixed K
     adaptive_min_k: int = 0                   # fewest drafts for a sampling request (0: speculation may stop)
     adaptive_probe_interval: int = 32         # while speculation is off, a two-step probe every this many steps
+    adaptive_gate: bool = False               # V2: while speculation is off the scheduler schedules plain decodes
     capture_dir: str | None = None
     timing_log_interval: int = 0              # 0 = no periodic timing log
     dma_min_bytes: DmaThreshold = dataclasses.field(default_factory=lambda: parse_dma_min_bytes(None))
@@ -137,6 +138,7 @@ _SETTINGS = (
     _Setting("adaptive", "VLLM_K3_DRAFT_ADAPTIVE", _switch),
     _Setting("adaptive_min_k", "VLLM_K3_DRAFT_ADAPTIVE_MIN_K", lambda key: _positive_int(key, allow_zero=True)),
     _Setting("adaptive_probe_interval", "VLLM_K3_DRAFT_ADAPTIVE_PROBE_INTERVAL", _positive_int),
+    _Setting("adaptive_gate", "VLLM_K3_DRAFT_ADAPTIVE_GATE", _switch),
     _Setting("capture_dir", "VLLM_K3_DRAFT_CAPTURE_DIR", _optional_str),
     _Setting("timing_log_interval", "VLLM_K3_DRAFT_TIMING_LOG_INTERVAL",
              lambda key: _positive_int(key, allow_zero=True)),
