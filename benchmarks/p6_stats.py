@@ -81,7 +81,8 @@ def controller_delta(before: dict | None, after: dict | None) -> dict | None:
     return {"k_chosen": {k: v - k0.get(k, 0) for k, v in k1.items() if v - k0.get(k, 0)},
             **{n: c1.get(n, 0) - c0.get(n, 0) for n in ("steps", "off_steps", "probe_steps", "held_steps", "stalled_steps",
                                                          "probes_judged", "probe_restarts")},
-            **{n: c1.get(n) for n in ("acceptance_per_position", "step_ms", "round_trip_ms", "last_probe")}}
+            **{n: c1.get(n) for n in ("acceptance_per_position", "step_ms", "round_trip_ms", "last_probe",
+                                       "recent_fields", "recent")}}
 
 
 def phase_delta(before: dict | None, after: dict | None) -> dict | None:

@@ -384,3 +384,25 @@ def test_stays_off_only_when_the_next_step_drafts_nothing():
     drafted = [d.sum() > 0 for d in t.asked]
     assert not any(s and d for s, d in zip(said, drafted))
     assert sum(said) >= 100
+
+
+def test_the_recent_steps_say_why_speculation_went_off():
+    """``snapshot()["recent"]``: per step the rows, the period the fit took (or left out as a stall),
+    the drafts chosen and whether speculation was off, held or probing: what an operator reads to
+    see why drafting stopped."""
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=4)), batch=2,
+                   fixed=0.0053, per_token=0.00004, rt=0.0032)
+    t.accept = lambda step, i, j: j < 4
+    t.step(30)
+    t.accept = lambda step, i, j: False
+    t.stall = lambda step: 1.0 if step == 45 else 0.0
+    t.step(40)
+    snap = t.c.snapshot()
+    fields, recent = snap["recent_fields"], snap["recent"]
+    assert len(recent) == 64 and all(len(r) == len(fields) for r in recent)
+    col = {f: [r[i] for r in recent] for i, f in enumerate(fields)}
+    assert col["drafts"][:10] != [0] * 10 and col["drafts"][-10:].count(0) >= 5     # on, then off
+    assert max(col["off"]) >= 3 and any(col["probe"])
+    stalled = [p for p, fitted in zip(col["period_ms"], col["period_fitted"]) if fitted is False]
+    assert stalled and min(stalled) > 900                                    # the 1 s step was left out
+    assert all(r == 2 for r in col["rows"][-5:]) and set(col["sampling"]) == {2}

@@ -39,8 +39,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from k3_accel.vllm.spec_decode.step_cost import StepCost
+
 PROBE_BACKOFF = 4                   # while off, probes back off to at most this x probe_interval
 HOLD_MARGIN = 3                     # steps the step thread may run ahead of the draft thread
+TRACE_STEPS = 64                    # steps kept in ``snapshot()["recent"]``
+TRACE_FIELDS = ("rows", "period_ms", "period_fitted", "sampling", "drafts", "max_k", "off", "held", "probe",
+                "wait_ms")
 
 
 @dataclass(frozen=True)
@@ -115,82 +120,6 @@ class Acceptance:
             self.requests.pop(rid, None)
 
 
-class StepCost:
-    """``T(tokens) = a + b * tokens`` by Theil-Sen over the last ``window`` step periods (the
-    median of the pairwise slopes, then the median intercept); the draft wait ``D`` as the median
-    of the last ``window`` waits of proposing steps (one reply seconds late, a server's first-use
-    compile, barely moves it; an average held speculation off for hundreds of steps).
-
-    Robust to stalls (a kernel compile on a GPU engine's first steps, a GC pause): a few
-    periods hundreds of times too long move a median little, and once a few steps are measured
-    a period over ``stall_factor`` times the fit's prediction is not taken at all (``stalls``),
-    unless half the recent periods were: stalls are rare, so then the fit is what is wrong (it
-    was learnt from steps unlike the rest) and it learns the new step time instead of locking.
-    A least-squares fit, even a decaying one, lets one such period hold speculation off for
-    dozens of steps. Until steps of different sizes are seen, a token's marginal cost is taken
-    as 1/8 of the average token's.
-    """
-
-    window = 24
-    stall_factor = 4.0
-    min_steps = 4
-
-    def __init__(self, s: ControllerSettings):
-        self.s = s
-        self.x: deque[float] = deque(maxlen=self.window)     # tokens of each measured step
-        self.y: deque[float] = deque(maxlen=self.window)     # its period (seconds)
-        self.waits: deque[float] = deque(maxlen=self.window)
-        self.stalls = 0
-        self._rejected: deque[bool] = deque(maxlen=self.window)   # recent periods taken as stalls
-        self._line: tuple[float, float] | None = None
-        self._slope: float | None = None                          # the last slope measured from spread
-
-    @property
-    def n(self) -> int:
-        return len(self.x)
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if self.n >= self.min_steps:
-            a, b = self.line()
-            stall = seconds > self.stall_factor * (a + b * tokens) > 0 and \
-                2 * (sum(self._rejected) + 1) <= self.window
-            self._rejected.append(stall)
-            if stall:
-                self.stalls += 1
-                return
-        self.x.append(float(tokens))
-        self.y.append(float(seconds))
-        self._line = None
-
-    def observe_round_trip(self, seconds: float) -> None:
-        self.waits.append(float(seconds))
-
-    @property
-    def round_trip(self) -> float | None:
-        return float(np.median(self.waits)) if self.waits else None
-
-    def line(self) -> tuple[float, float]:
-        """``(a, b)``, both >= 0."""
-        if self._line is None:
-            self._line = self._fit()
-        return self._line
-
-    def _fit(self) -> tuple[float, float]:
-        if not self.x:
-            return 0.0, 0.0
-        x, y = np.asarray(self.x), np.asarray(self.y)
-        i, j = np.triu_indices(len(x), k=1)
-        dx = x[j] - x[i]
-        ok = dx != 0
-        if ok.any():
-            b = self._slope = max(float(np.median((y[j] - y[i])[ok] / dx[ok])), 0.0)
-        elif self._slope is not None:          # steps all of one size now: what a token cost when
-            b = self._slope                    # sizes last differed (at B = 1, 1/8 of a whole step
-        else:                                  # made 7 drafts cost 5 ms on the H200's 8B target)
-            b = max(float(np.median(y)) / max(float(np.median(x)), 1.0) / 8, 0.0)
-        return max(float(np.median(y - b * x)), 0.0), b
-
-
 class Controller:
     """Chooses each step's drafts per request (see the module docstring)."""
 
@@ -208,6 +137,9 @@ class Controller:
         self._interval = settings.probe_interval   # off steps before the next probe
         self._last_start: float | None = None
         self._last_wait = 0.0
+        # the last steps as the controller saw them (stats: why it chose what it chose)
+        self.trace: deque[tuple] = deque(maxlen=TRACE_STEPS)
+        self._period: tuple[float, bool] | None = None
 
     # ------------------------------------------------------------------ one step
     def stays_off(self) -> bool:
@@ -245,6 +177,9 @@ class Controller:
             ks = self._hinted(ks, sampled, counts, out)
         else:
             self._last_wait = 0.0
+        self.trace.append((int(counts.sum()), *(self._period or (None, None)), int(np.count_nonzero(sampled)),
+                           int(ks.sum()), int(ks.max()) if len(ks) else 0, self._off, bool(held), self._probing,
+                           round(self._last_wait * 1e3, 3)))
         drafts = out.drafts
         if drafts.numel():
             cols = np.arange(drafts.shape[1])
@@ -304,10 +239,11 @@ class Controller:
         # the forward that just ran (between the last step's end and this one's start) verified
         # the drafts handed out last step: its tokens are the rows plus the rejected drafts
         tokens = int(counts.sum()) + sum(max(0, g - accepted) for _, g, accepted in seen)
+        self._period = None
         if self._last_start is not None:
             period = start - self._last_start - self._last_wait
             if period > self.s.min_step_s:
-                self.cost.observe(tokens, period)
+                self._period = (round(period * 1e3, 3), self.cost.observe(tokens, period))
         self._last_start = start
 
     def _judge_probe(self, seen: list, sampled: np.ndarray, counts: np.ndarray) -> None:
@@ -391,7 +327,8 @@ class Controller:
                 "acceptance_per_position": [round(float(x), 4) for x in self.acceptance.global_rate()],
                 "step_ms": {"fixed": round(a * 1e3, 4), "per_token": round(b * 1e3, 6)},
                 "round_trip_ms": None if self.cost.round_trip is None else round(self.cost.round_trip * 1e3, 4),
-                "stalled_steps": self.cost.stalls, "last_probe": self.last_probe, **self.counters}
+                "stalled_steps": self.cost.stalls, "last_probe": self.last_probe, **self.counters,
+                "recent_fields": TRACE_FIELDS, "recent": [list(t) for t in self.trace]}
 
 
 def _best_prefix(surv: np.ndarray, batch: int, a: float, b: float, base: float, rt: float,
