@@ -8,6 +8,7 @@ thread holds (:class:`~k3_accel.vllm.spec_decode.pipeline.DraftPipeline`).
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 
@@ -144,6 +145,10 @@ def test_the_v2_speculator_closes_the_gate_when_drafts_stop_paying_and_opens_it_
     spec_decode = pytest.importorskip("vllm.v1.worker.gpu.spec_decode")
     spec = spec_decode.init_speculator(cfg, torch.device("cpu"), sim.req_states)
     reader = Gate(gate_path(engine_key(cfg, writer=False)), writer=False)   # what the scheduler reads
+    # the controller's clock: 10 ms a reading, so a draft's wait costs as much as a target step and no
+    # draft pays unless it adds more than a token per request (none is accepted): no real timing
+    ticks = itertools.count()
+    spec.core.session.pipeline.controller.clock = lambda: next(ticks) * 0.010
     try:
         assert spec.core.session.pipeline.gate is not None
         prompt = [5, 6, 7, 8] * 6                      # the ngram server drafts from the prompt's repeats
@@ -152,7 +157,7 @@ def test_the_v2_speculator_closes_the_gate_when_drafts_stop_paying_and_opens_it_
         pos, seen, k_next, drafted = len(prompt), [], K, K
         for step in range(120):
             tokens = [9 + step % 50] + [1] * drafted  # the last sampled token, then the drafts: all rejected
-            d = sim.propose(spec, [Sched("a", pos, tokens, sampled=10 + step % 50, rejected=drafted,
+            sim.propose(spec, [Sched("a", pos, tokens, sampled=10 + step % 50, rejected=drafted,
                                          drafts=drafted)], k=k_next)
             spec.flush()
             pos += 1
