@@ -91,8 +91,8 @@ def test_a_closed_gate_schedules_plain_decodes_and_an_open_one_k_again(v2_config
 
 
 def test_no_gate_without_the_adaptive_controller_or_the_v2_runner(v2_config, monkeypatch):
-    from k3_accel.vllm.spec_decode.gate import Gate, applies
-    assert applies(v2_config)
+    from k3_accel.vllm.spec_decode.gate import Gate, why_not
+    assert why_not(v2_config) is None
     fixed = copy.copy(v2_config)
     fixed.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9", "adaptive_gate": True,
                                             "adaptive": False}}
@@ -103,14 +103,15 @@ def test_no_gate_without_the_adaptive_controller_or_the_v2_runner(v2_config, mon
     default.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9"}}   # the gate is opt-in
     local = copy.copy(v2_config)
     local.additional_config = {}
-    assert not applies(fixed) and not applies(floor) and not applies(local) and not applies(default)
+    assert why_not(fixed) and why_not(floor) and why_not(local)
+    assert why_not(default) == "adaptive_gate is off"
     assert Gate.for_engine(fixed, writer=True) is None
     ray = copy.copy(v2_config)
     ray.parallel_config = copy.copy(v2_config.parallel_config)
     ray.parallel_config.distributed_executor_backend = "ray"
-    assert not applies(ray)                                    # the draft thread may be on another host
+    assert why_not(ray)                                    # the draft thread may be on another host
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    assert not applies(v2_config)                              # V1 schedules only the drafts it has
+    assert why_not(v2_config)                              # V1 schedules only the drafts it has
 
 
 def test_a_scheduler_without_a_readable_gate_schedules_as_stock(v2_config):

@@ -68,10 +68,6 @@ def why_not(vllm_config: Any) -> str | None:
     return None
 
 
-def applies(vllm_config: Any) -> bool:
-    return why_not(vllm_config) is None
-
-
 # what this process's gates did (``stats()["gate"]``): the writer of the driver rank and, where the
 # scheduler runs in this process (one GPU: the engine core hosts the worker), the scheduler's reader
 STATE: dict[str, dict[str, Any] | None] = {"writer": None, "scheduler": None}
@@ -112,7 +108,7 @@ class Gate:
 
     @classmethod
     def for_engine(cls, vllm_config: Any, writer: bool) -> "Gate | None":
-        """The engine's gate (None when :func:`applies` says it has none); the writer starts at K."""
+        """The engine's gate (None when :func:`why_not` gives a reason); the writer starts at K."""
         why = why_not(vllm_config)
         if not writer:
             STATE["scheduler"] = {"why_not": why, "reads": 0, "unreadable": 0, "capped": 0, "last": None}
@@ -190,4 +186,4 @@ def gated(k_scheduled: int, gate: Gate | None) -> int:
     return out
 
 
-__all__ = ["STATE", "Gate", "applies", "engine_key", "gate_path", "gate_value", "gated", "why_not"]
+__all__ = ["STATE", "Gate", "engine_key", "gate_path", "gate_value", "gated", "why_not"]

@@ -59,6 +59,15 @@ def _exists(module: str) -> bool:
         return False
 
 
+def _when_imported(module: str, apply: Callable[[ModuleType], None], hook: str) -> bool:
+    """``apply`` once vLLM's ``module`` is imported; raises :class:`MissingSymbol` if vLLM has none."""
+    require("vllm")
+    if not _exists(module):
+        raise MissingSymbol(module)
+    patching.when_imported(module, apply, hook=hook)
+    return True
+
+
 # ==================================================================== V2
 def install_v2() -> bool:
     """Wrap V2's ``init_speculator``; idempotent. Raises :class:`MissingSymbol` when vLLM has
@@ -103,11 +112,7 @@ def _patch_runner_name(runner: ModuleType) -> None:
 def install_gate() -> bool:
     """Cap the scheduler's draft slots by the engine's gate (see :mod:`.gate`) once the
     scheduler module is imported; engines without a gate schedule exactly as stock."""
-    require("vllm")
-    if not _exists(SCHEDULER):
-        raise MissingSymbol(SCHEDULER)
-    patching.when_imported(SCHEDULER, _patch_scheduler, hook=HOOK_GATE)
-    return True
+    return _when_imported(SCHEDULER, _patch_scheduler, HOOK_GATE)
 
 
 def _patch_scheduler(module: ModuleType) -> None:
@@ -176,11 +181,7 @@ def _has_address(engine_args: Any) -> bool:
 # ==================================================================== V1
 def install_v1() -> bool:
     """Patch the V1 runner once it is imported; raises :class:`MissingSymbol` if vLLM has none."""
-    require("vllm")
-    if not _exists(RUNNER_MODULE):
-        raise MissingSymbol(RUNNER_MODULE)
-    patching.when_imported(RUNNER_MODULE, _patch_runner_or_warn, hook=HOOK_V1)
-    return True
+    return _when_imported(RUNNER_MODULE, _patch_runner_or_warn, HOOK_V1)
 
 
 def _patch_runner_or_warn(module: ModuleType) -> None:
