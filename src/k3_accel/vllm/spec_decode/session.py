@@ -210,7 +210,8 @@ class RemoteDraftSession:
 
     def _drive(self, inp: StepInput, num_requests: int, k: int) -> torch.Tensor | None:
         try:
-            out: StepOutput = self.pipeline.call(lambda c: self.pipeline.run_step(inp), timeout=self._wait_s())
+            out: StepOutput = self.pipeline.call(lambda c: self.pipeline.run_step(inp, hold_rows=True),
+                                                 timeout=self._wait_s())
             if tuple(out.drafts.shape) != (num_requests, k):
                 raise ValueError(f"drafts shape {list(out.drafts.shape)} != [{num_requests}, {k}]")
             return out.drafts.to(self.device)
@@ -235,7 +236,7 @@ class RemoteDraftSession:
         client = self.client
         if client is None or not client.down:
             return False
-        self.pipeline.call(lambda c: c.skip_step(req_ids), wait=False)
+        self.pipeline.call(lambda c: c.skip_step(req_ids), wait=False, after_held=True)
         return True
 
     def finish(self, req_ids: Iterable[str]) -> None:
@@ -246,7 +247,7 @@ class RemoteDraftSession:
                 client.finish(ids)
                 if controller is not None:
                     controller.forget(ids)
-            self.pipeline.call(finish, wait=False)
+            self.pipeline.call(finish, wait=False, after_held=True)    # their rows, then the free
 
     def wants_history(self) -> frozenset[str]:
         """Requests whose next rows must come with their token history (drafting again)."""
@@ -256,16 +257,17 @@ class RemoteDraftSession:
     def flush(self) -> None:
         """Wait until everything handed to the draft thread is on the server (tests, shutdown)."""
         if self.pipeline is not None:
-            self.pipeline.call(lambda c: c.flush(), timeout=self._wait_s())
+            self.pipeline.call(lambda c: c.flush(), timeout=self._wait_s(), after_held=True)
 
     def stats(self) -> dict:
         if self.pipeline is None:
             return {}
-        controller = self.pipeline.controller
+        controller, off_rows = self.pipeline.controller, self.pipeline.off_rows
 
         def stats(client):
             from k3_accel.vllm.spec_decode.gate import STATE
             return {**client.stats(), "controller": controller.snapshot() if controller is not None else None,
+                    "off_rows": off_rows.stats(),
                     "gate": {role: dict(v) if v else None for role, v in STATE.items()}}
         return self.pipeline.call(stats, timeout=self._wait_s())
 

@@ -1,0 +1,131 @@
+"""The rows of steps that draft nothing, held on the host and shipped as one ingest.
+
+While the adaptive controller keeps speculation off and no probe is due
+(:meth:`~.controller.Controller.stays_off`), a step's rows are only context for
+a later draft: nothing waits for them. Shipping each such step on its own costs a
+message and a server ingest per target step; on a CPU target sharing its cores
+with the draft server that cost was most of what a useless draft still cost
+(``benchmarks/adaptive_cpu.py``). :class:`OffRows` keeps them instead and hands
+back one :class:`~k3_accel.transport.api.StepInput` with every request's rows
+in order, which the draft thread ships before anything else reaches the server
+(a proposing step, a free, a flush, a step while the link is down).
+
+It takes only host rows (a target on CPU: copies are cheap and no device memory
+vLLM did not count is held), only rows that continue where the request's held
+rows end (a rewind ships what is held first), and at most ``max_rows`` rows and
+``max_bytes`` bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from k3_accel.transport.api import StepInput
+
+MAX_BYTES = 64 << 20
+
+
+@dataclass
+class _Held:
+    req_ids: list[str]
+    counts: np.ndarray
+    positions: torch.Tensor
+    token_ids: torch.Tensor
+    hidden: torch.Tensor | None
+    anchor_tokens: np.ndarray
+    anchor_positions: np.ndarray
+    accepted: list[int] | None
+
+
+class OffRows:
+    """Off steps' rows, merged request by request (see the module docstring)."""
+
+    def __init__(self, max_rows: int, max_bytes: int = MAX_BYTES):
+        self.max_rows, self.max_bytes = max_rows, max_bytes
+        self._steps: list[_Held] = []
+        self._end: dict[str, int] = {}          # request -> position right after its held rows
+        self._prompts: dict[str, Any] = {}
+        self.rows = self.bytes = 0
+        self.counters = {"held_steps": 0, "shipped_ingests": 0}
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def fits(self, inp: StepInput) -> bool:
+        """Whether ``inp`` (an ingest) may be held: see the module docstring."""
+        tensors = [inp.positions, inp.token_ids] + ([inp.hidden] if inp.hidden is not None else [])
+        if inp.k != 0 or any(t.device.type != "cpu" for t in tensors) or \
+                (self._steps and (self._steps[0].hidden is None) != (inp.hidden is None)):
+            return False
+        n = int(sum(inp.counts))
+        if self.rows + n > self.max_rows or self.bytes + sum(_nbytes(t) for t in tensors) > self.max_bytes:
+            return False
+        _, positions = inp.anchors()
+        return all(self._end.get(rid, a - c) == a - c for rid, c, a in zip(inp.req_ids, inp.counts, positions) if c)
+
+    def add(self, inp: StepInput) -> None:
+        """Hold ``inp`` (copies its rows: the runner reuses its buffers); call only when :meth:`fits`."""
+        tokens, positions = inp.anchors()
+        counts = np.fromiter(inp.counts, dtype=np.int64, count=len(inp.req_ids))
+        held = _Held(list(inp.req_ids), counts, inp.positions.clone(), inp.token_ids.clone(),
+                     None if inp.hidden is None else inp.hidden.clone(), tokens.copy(), positions.copy(),
+                     None if inp.num_accepted is None else [int(a) for a in inp.num_accepted])
+        self._steps.append(held)
+        for rid, c, a in zip(held.req_ids, counts.tolist(), positions.tolist()):
+            if c:
+                self._end[rid] = a
+        self.rows += int(counts.sum())
+        self.bytes += sum(_nbytes(t) for t in (held.positions, held.token_ids, held.hidden) if t is not None)
+        self.counters["held_steps"] += 1
+        for rid, prompt in (inp.prompt_token_ids or {}).items():
+            self._prompts.setdefault(rid, prompt)
+
+    def take(self) -> StepInput | None:
+        """Everything held as one ingest (None when nothing is), and forget it."""
+        if not self._steps:
+            return None
+        steps, prompts = self._steps, self._prompts
+        self._steps, self._end, self._prompts = [], {}, {}
+        self.rows = self.bytes = 0
+        self.counters["shipped_ingests"] += 1
+        order: dict[str, list[np.ndarray]] = {}                  # request -> its row indices, step by step
+        last: dict[str, tuple[int, int]] = {}
+        accepted: dict[str, int] = {}
+        base = 0
+        for s in steps:
+            starts = base + np.cumsum(s.counts) - s.counts
+            for i, (rid, c) in enumerate(zip(s.req_ids, s.counts.tolist())):
+                if s.accepted is not None:
+                    accepted[rid] = accepted.get(rid, 0) + s.accepted[i]
+                if c:
+                    order.setdefault(rid, []).append(np.arange(starts[i], starts[i] + c))
+                    last[rid] = (int(s.anchor_tokens[i]), int(s.anchor_positions[i]))
+            base += int(s.counts.sum())
+        ids = list(order)
+        index = torch.from_numpy(np.concatenate([np.concatenate(order[rid]) for rid in ids])) if ids else \
+            torch.empty(0, dtype=torch.int64)
+
+        def merged(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(parts).index_select(0, index)
+
+        hidden = None if steps[0].hidden is None else merged([s.hidden for s in steps])
+        return StepInput(
+            req_ids=ids, counts=[int(sum(len(a) for a in order[rid])) for rid in ids],
+            positions=merged([s.positions for s in steps]), token_ids=merged([s.token_ids for s in steps]),
+            sampled=[False] * len(ids), anchor_tokens=[last[rid][0] for rid in ids],
+            anchor_positions=[last[rid][1] for rid in ids], k=0, hidden=hidden,
+            prompt_token_ids={rid: prompts[rid] for rid in ids if rid in prompts} or None,
+            num_accepted=[accepted.get(rid, 0) for rid in ids] if accepted else None)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "held_now": len(self._steps), "rows_now": self.rows}
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+__all__ = ["OffRows"]

@@ -1,0 +1,226 @@
+"""While speculation is off, a V1 target's step rows wait on the host and go to the server together.
+
+The rule a user relies on: holding rows never changes what the server knows when it next drafts
+(every request's rows, in order, before its next propose, free or flush), and it sends far fewer
+messages while speculation is off. Unit tests of the merge on random batches, then the real
+pipeline (controller, client, ``k3-draft-server --engine ngram``) against the n-gram oracle.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from helpers.server import ServerProcess
+from helpers.steps import settings, step
+from helpers.v2_sim import expected
+from k3_accel.vllm.spec_decode.off_rows import OffRows
+
+W = 6
+
+
+def _random_steps(rng: random.Random, n: int, with_hidden: bool):
+    """``n`` ingest steps of requests joining (a prefill chunk), decoding (one row) and leaving, the
+    rows each request shipped per step, and its anchor after each step."""
+    pos: dict[str, int] = {}
+    rows: dict[str, list[tuple[int, int, list[float] | None]]] = {}
+    steps, anchors, prompts, accepted = [], {}, {}, {}
+    seq = 0
+    for s in range(n):
+        live = [r for r in pos if rng.random() > 0.1]                      # some leave the batch
+        while len(live) < 4 or rng.random() < 0.3:                        # some join
+            seq += 1
+            rid = f"q{seq}"
+            pos[rid] = 0
+            live.append(rid)
+            prompts[rid] = [rng.randrange(1000) for _ in range(rng.randrange(3, 9))]
+        rng.shuffle(live)
+        chunks = []
+        for rid in live:
+            c = len(prompts[rid]) if pos[rid] == 0 else rng.choice([0, 1, 1, 2])
+            chunks.append((pos[rid], [rng.randrange(1000) for _ in range(c)]))
+            pos[rid] += c
+        acc = [rng.randrange(3) for _ in live]
+        hidden = torch.randn(sum(len(t) for _, t in chunks), W) if with_hidden else None
+        inp = step(live, chunks, sampled=[True] * len(live), k=0,
+                   prompts={rid: prompts[rid] for rid in live if rid not in rows}, hidden=hidden)
+        inp.num_accepted = acc
+        at = 0
+        for rid, (start, toks), a in zip(live, chunks, acc):
+            accepted[rid] = accepted.get(rid, 0) + a
+            for j, t in enumerate(toks):
+                rows.setdefault(rid, []).append((start + j, t, None if hidden is None else hidden[at + j].tolist()))
+            if toks:
+                anchors[rid] = (toks[-1] + 1, start + len(toks))
+            at += len(toks)
+        steps.append(inp)
+    return steps, rows, anchors, prompts, accepted
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("with_hidden", [True, False])
+def test_the_merged_ingest_carries_every_requests_rows_in_order(seed, with_hidden):
+    rng = random.Random(seed)
+    steps, rows, anchors, prompts, accepted = _random_steps(rng, rng.randrange(2, 12), with_hidden)
+    held = OffRows(max_rows=1 << 20)
+    for inp in steps:
+        assert held.fits(inp)
+        held.add(inp)
+    merged = held.take()
+    assert held.take() is None and len(held) == 0 and held.rows == 0
+    merged.validate(settings("tcp://127.0.0.1:1", max_rows=1 << 20, context_width=W if with_hidden else 0,
+                             hidden_dtype=torch.float32))
+    shipped = [rid for rid in rows if rows[rid]]
+    assert sorted(merged.req_ids) == sorted(shipped) and merged.k == 0 and not any(merged.sampled)
+    at = 0
+    for rid, count, tok, apos in zip(merged.req_ids, merged.counts, merged.anchor_tokens, merged.anchor_positions):
+        want = rows[rid]
+        assert count == len(want)
+        assert merged.positions[at:at + count].tolist() == [p for p, _, _ in want]
+        assert merged.token_ids[at:at + count].tolist() == [t for _, t, _ in want]
+        if with_hidden:
+            assert torch.equal(merged.hidden[at:at + count], torch.tensor([h for _, _, h in want]))
+        assert (tok, apos) == anchors[rid]
+        at += count
+    assert merged.hidden is None if not with_hidden else merged.hidden.shape == (at, W)
+    assert merged.prompt_token_ids == {rid: prompts[rid] for rid in merged.req_ids}
+    assert merged.num_accepted == [accepted[rid] for rid in merged.req_ids]
+
+
+def test_held_rows_are_copies_not_the_runners_buffers():
+    held = OffRows(max_rows=64)
+    inp = step(["a"], [(0, [5, 6, 7])], k=0, hidden=torch.ones(3, W))
+    held.add(inp)
+    inp.token_ids.fill_(0)
+    inp.hidden.fill_(0)                     # the runner reuses its buffers for the next step
+    merged = held.take()
+    assert merged.token_ids.tolist() == [5, 6, 7] and bool((merged.hidden == 1).all())
+
+
+def test_what_cannot_be_held():
+    held = OffRows(max_rows=8, max_bytes=10_000)
+    held.add(step(["a", "b"], [(0, [1, 2, 3]), (0, [4])], k=0))
+    assert not held.fits(step(["a"], [(2, [9])], k=0)), "a rewind of a held request ships what is held first"
+    assert not held.fits(step(["a"], [(4, [9])], k=0)), "a gap too"
+    assert held.fits(step(["a", "c"], [(3, [9]), (0, [7])], k=0))
+    assert not held.fits(step(["a"], [(3, [9])], k=2)), "a step that drafts"
+    assert not held.fits(step(["c"], [(0, list(range(5)))], k=0)), "more than max_rows"
+    assert not held.fits(step(["c"], [(0, [1])], k=0, hidden=torch.zeros(1, W))), "hidden rows where none were"
+    meta = step(["c"], [(0, [1])], k=0)
+    meta.positions = torch.empty(1, dtype=torch.int64, device="meta")
+    assert not held.fits(meta), "rows off the host stay where they are"
+    big = OffRows(max_rows=1 << 20, max_bytes=1000)
+    assert not big.fits(step(["c"], [(0, list(range(100)))], k=0)), "more than max_bytes"
+
+
+# ----------------------------------------------------------------- the real pipeline
+K = 4
+
+
+class Target:
+    """Decode steps of ``n`` requests over a six-token alphabet (the n-gram lookup finds matches, and
+    what it finds depends on every row the server holds); the simulated clock runs 10 ms a step."""
+
+    def __init__(self, pipe, n: int, rng: random.Random):
+        self.pipe, self.now = pipe, 0.0
+        pipe.controller.clock = lambda: self.now
+        self.ids = [f"r{i}" for i in range(n)]
+        self.hist = {rid: [] for rid in self.ids}
+        self.prompt = {rid: [rng.randrange(10, 16) for _ in range(12)] for rid in self.ids}
+        self.anchor = {rid: rng.randrange(10, 16) for rid in self.ids}
+        self.rng = rng
+
+    def step(self):
+        chunks, prompts = [], {}
+        for rid in self.ids:
+            if not self.hist[rid]:
+                chunks.append((0, self.prompt[rid]))
+                prompts[rid] = self.prompt[rid]
+            else:
+                chunks.append((len(self.hist[rid]), [self.anchor[rid]]))
+        anchors = [self.rng.randrange(10, 16) for _ in self.ids]
+        inp = step(self.ids, chunks, anchors=anchors, k=K, prompts=prompts or None)
+        for rid, (_, toks), a in zip(self.ids, chunks, anchors):
+            self.hist[rid] += toks
+            self.anchor[rid] = a
+        self.now += 0.010
+        out = self.pipe.call(lambda c: self.pipe.run_step(inp, hold_rows=True), timeout=60)
+        self.now += 0.002
+        return out.drafts
+
+
+def test_held_rows_reach_the_server_before_its_next_draft():
+    from k3_accel.transport.client import DraftClient
+    from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
+    from k3_accel.vllm.spec_decode.fence import HostFence
+    from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
+
+    server = ServerProcess("--engine", "ngram")
+    failures: list[str] = []
+    pipe = DraftPipeline(DraftClient(settings(server.address, num_speculative_tokens=K)), HostFence(), 8, K,
+                         lambda kind, what: failures.append(what),
+                         # a draft known to be useless (prior 0): off from the start, a probe now and then
+                         controller=Controller(ControllerSettings(k_max=K, probe_interval=12, probe_steps=1,
+                                                                  prior=0.0, prior_weight=100.0)))
+    try:
+        target = Target(pipe, 3, random.Random(7))
+        probes = 0
+        for n in range(70):
+            drafts = target.step()
+            ctl = pipe.controller.snapshot()
+            if (drafts >= 0).any():                     # a probe: the server had every held row
+                probes += n > 3
+                for i, rid in enumerate(target.ids):
+                    # drafts reach vLLM for the anchor just sampled: history = every row shipped
+                    # (the controller may hand out fewer than K: the rest read -1)
+                    g = int((drafts[i] >= 0).sum())
+                    want = expected(target.hist[rid], target.anchor[rid], K)
+                    assert drafts[i].tolist() == want[:g] + [-1] * (K - g), (n, rid)
+        held = pipe.off_rows.stats()
+        client = pipe.call(lambda c: c.stats(), timeout=60)
+        assert probes >= 2 and ctl["off_steps"] >= 25
+        assert held["held_steps"] >= 20, held
+        sent = client["counters"].get("ingest_messages", 0)
+        assert sent * 4 <= held["held_steps"], (sent, held)        # one message for many off steps
+        assert not failures
+    finally:
+        pipe.close(10)
+        server.stop()
+
+
+def test_a_free_and_a_flush_send_the_held_rows_first():
+    from k3_accel.transport.client import DraftClient
+    from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
+    from k3_accel.vllm.spec_decode.fence import HostFence
+    from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
+
+    server = ServerProcess("--engine", "ngram")
+    pipe = DraftPipeline(DraftClient(settings(server.address, num_speculative_tokens=K)), HostFence(), 8, K,
+                         lambda kind, what: None,
+                         controller=Controller(ControllerSettings(k_max=K, probe_interval=1000, prior=0.0,
+                                                                  prior_weight=100.0)))
+    try:
+        target = Target(pipe, 2, random.Random(3))
+        for _ in range(12):
+            target.step()
+        assert len(pipe.off_rows) > 0
+        pipe.call(lambda c: c.finish(["r0"]), timeout=60, after_held=True)     # RemoteDraftSession.finish's call
+        assert len(pipe.off_rows) == 0
+        # r1 keeps its context: a draft for it now sees every row it shipped, held ones included
+        hist, anchor = target.hist["r1"], target.anchor["r1"]
+        ask = step(["r1"], [(len(hist), [])], anchors=[anchor], k=K)
+        assert pipe.call(lambda c: c.step(ask), timeout=60).drafts[0].tolist() == expected(hist, anchor, K)
+
+        for _ in range(6):
+            target.step()
+        assert len(pipe.off_rows) > 0
+        pipe.call(lambda c: c.flush(), timeout=60, after_held=True)             # RemoteDraftSession.flush's call
+        assert len(pipe.off_rows) == 0
+        hist, anchor = target.hist["r1"], target.anchor["r1"]
+        ask = step(["r1"], [(len(hist), [])], anchors=[anchor], k=K)
+        assert pipe.call(lambda c: c.step(ask), timeout=60).drafts[0].tolist() == expected(hist, anchor, K)
+    finally:
+        pipe.close(10)
+        server.stop()
+
