@@ -13,8 +13,9 @@ Two checkpoint pairs, the same prompts, runs side by side in one child process:
   reported: target steps with ÷ without for each (the controller should be no
   worse than a fixed K).
 
-Outputs must be identical (greedy) in every run. Each run's first round (a few
-short prompts) is a warm-up and not measured. CPU timings on a shared 2-core box
+Outputs must be identical (greedy) in every run. Each run's first round (two
+prompts, ``WARM_TOKENS`` tokens: past the controller's first probe) is a warm-up
+and not measured: the measured round shows the steady state. CPU timings on a shared 2-core box
 are noisy: runs alternate so drift hits both sides.
 
     .venv/bin/python benchmarks/adaptive_cpu.py --out benchmarks/results/adaptive-cpu.json
@@ -36,6 +37,7 @@ from k3_accel.demo.child import run_in_child  # noqa: E402
 from k3_accel.demo.scenario import FIXED_K, Round, Run, Scenario  # noqa: E402
 
 K = 4
+WARM_TOKENS = 48
 ENGINE = {"max_model_len": 512, "max_num_seqs": 8, "dtype": "float32"}
 TEXT = ["The quick brown fox jumps over the lazy dog", "one two three one two three one two",
         "Speculative decoding lets a small draft model propose several tokens",
@@ -47,7 +49,10 @@ TEXT = ["The quick brown fox jumps over the lazy dog", "one two three one two th
 def _measure(work: Path, trained: bool, repeats: int, max_tokens: int, fixed: bool) -> list[dict]:
     target, draft = build_tiny(work, trained=trained, k=K)
     spec = {"method": "dflash", "model": draft, "num_speculative_tokens": K}
-    warm = Round(TEXT[:2], max_tokens=8, probe_server=False, label="warm-up")
+    # long enough for the controller to make its first decisions and check them with a probe (its
+    # interval is 32 steps): the first steps of a fresh server are slow, and a decision taken on them
+    # would otherwise last half the measured round
+    warm = Round(TEXT[:2], max_tokens=WARM_TOKENS, probe_server=False, label="warm-up")
     rounds = [warm, Round(TEXT, max_tokens=max_tokens, probe_server=False, label="measured")]
     down = [warm, Round(TEXT, max_tokens=max_tokens, probe_server=False, label="measured",
                         actions=[{"step": 0, "do": "kill"}]),
