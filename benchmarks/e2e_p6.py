@@ -308,13 +308,23 @@ def _speedups(doc: dict, name: str) -> dict:
             for L in LENGTHS if str(L) in v}
 
 
+ADAPTIVE_VARIANTS = ("adaptive-av", "adaptive-gate-av", "adaptive-av-nogate", "adaptive-gate",
+                     "adaptive")                                        # the recommended configuration first
+
+
+def _recommended(doc: dict) -> str | None:
+    """The first of ``ADAPTIVE_VARIANTS`` this run measured (the recommended configuration first)."""
+    return next((v for v in ADAPTIVE_VARIANTS if v in doc["variants"]), None)
+
+
 def summary(doc: dict, machine: str) -> dict:
     fixed = _speedups(doc, "fixed")
     return {
         "metric": "tokens/s with remote DFlash drafting (oracle, K=7 fixed, server on the same GPU) / without "
                   "speculation, B=32, acceptance length 4",
         "ratio": fixed.get("4.0", {}).get("32"), "goal": ">= 2.0 at B=32 and >= 2.5 at B=1 for length 4",
-        "speedup": fixed, "speedup_adaptive": _speedups(doc, "adaptive"),
+        "speedup": fixed, "adaptive_variant": _recommended(doc),
+        "speedup_adaptive": _speedups(doc, _recommended(doc)) if _recommended(doc) else {},
         "acceptance_length_proposed": {name: {str(L): {str(b): e.get("oracle_acceptance_length")
                                                        for b, e in v[str(L)].items()}
                                               for L in LENGTHS if str(L) in v}
@@ -323,10 +333,6 @@ def summary(doc: dict, machine: str) -> dict:
                                            for L in LENGTHS for e in v.get(str(L), {}).values()),
         "server": "oracle DFlash engine (Qwen3-8B DFlash shape) on the same GPU as the target",
         "machine": machine, "date": datetime.date.today().isoformat()}
-
-
-ADAPTIVE_VARIANTS = ("adaptive-av", "adaptive-gate-av", "adaptive-av-nogate", "adaptive-gate",
-                     "adaptive")                                        # the recommended configuration first
 
 
 def adaptive_summary(doc: dict, machine: str) -> dict:
@@ -342,7 +348,7 @@ def adaptive_summary(doc: dict, machine: str) -> dict:
                        round(ada[L][b] / max(1.0, fixed[L][b]), 4) for b in ada[L]} for L in ada if L != "1.0"}
         by_variant[name] = {"worst_at_length_1": min(at1.values()) if at1 and None not in at1.values() else None,
                             "speedup": ada, "over_best_fixed_measured": vs_best}
-    chosen = next(iter(by_variant), None)
+    chosen = _recommended(doc)
     return {"metric": "tokens/s with the adaptive controller / without speculation at acceptance length 1, "
                       "worst over B=1,8,32 (oracle DFlash, K<=7, server on the same GPU)",
             "ratio": by_variant[chosen]["worst_at_length_1"] if chosen else None,   # None: a run failed

@@ -150,7 +150,8 @@ def allreduce(data: dict, path: Path) -> None:
 
 def e2e(data: dict, path: Path) -> None:
     summary = data.get("summary", {})
-    runs = [(name, summary.get(key) or {}) for name, key in (("K=7", "speedup"), ("adaptive", "speedup_adaptive"))]
+    adaptive = summary.get("adaptive_variant") or "adaptive"
+    runs = [(name, summary.get(key) or {}) for name, key in (("K=7", "speedup"), (adaptive, "speedup_adaptive"))]
     if not any(runs[0][1].values()):
         raise Skip("no summary.speedup")
     plt = _plt()
