@@ -109,10 +109,12 @@ class Acceptance:
         """``[R, K]``: probability that a request's first j+1 drafts are all accepted."""
         g = self.global_rate()
         w = self.s.request_weight
-        rates = np.empty((len(req_ids), self.s.k_max))
-        for n, rid in enumerate(req_ids):
-            row = self.requests.get(rid)
-            rates[n] = g if row is None else (row[1] + w * g) / (row[0] + w)
+        rows = [self.requests.get(rid) for rid in req_ids]
+        known = [n for n, row in enumerate(rows) if row is not None]
+        rates = np.broadcast_to(g, (len(req_ids), self.s.k_max)).copy()
+        if known:
+            counts = np.stack([rows[n] for n in known])                 # [R', 2, K]: tried, accepted
+            rates[known] = (counts[:, 1] + w * g) / (counts[:, 0] + w)
         return np.cumprod(rates, axis=1)
 
     def forget(self, req_ids: Sequence[str]) -> None:

@@ -40,6 +40,7 @@ class StepCost:
         self._rejected: deque[bool] = deque(maxlen=self.window)   # recent periods taken as stalls
         self._line: tuple[float, float] | None = None
         self._slope: float | None = None                          # the last slope measured from spread
+        self._wait: float | None = None                           # the median wait (cached)
 
     @property
     def n(self) -> int:
@@ -62,10 +63,13 @@ class StepCost:
 
     def observe_round_trip(self, seconds: float) -> None:
         self.waits.append(float(seconds))
+        self._wait = None
 
     @property
     def round_trip(self) -> float | None:
-        return float(np.median(self.waits)) if self.waits else None
+        if self._wait is None and self.waits:
+            self._wait = float(np.median(self.waits))
+        return self._wait
 
     def line(self) -> tuple[float, float]:
         """``(a, b)``, both >= 0."""
@@ -77,7 +81,7 @@ class StepCost:
         if not self.x:
             return 0.0, 0.0
         x, y = np.asarray(self.x), np.asarray(self.y)
-        i, j = np.triu_indices(len(x), k=1)
+        i, j = _pairs(len(x))
         dx = x[j] - x[i]
         ok = dx != 0
         if ok.any():
@@ -87,6 +91,16 @@ class StepCost:
         else:                                  # made 7 drafts cost 5 ms on the H200's 8B target)
             b = max(float(np.median(y)) / max(float(np.median(x)), 1.0) / 8, 0.0)
         return max(float(np.median(y - b * x)), 0.0), b
+
+
+_PAIRS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``np.triu_indices(n, k=1)``, made once per ``n`` (the fit runs every step)."""
+    if n not in _PAIRS:
+        _PAIRS[n] = np.triu_indices(n, k=1)
+    return _PAIRS[n]
 
 
 __all__ = ["StepCost"]
