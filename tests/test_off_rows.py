@@ -205,8 +205,15 @@ def test_a_free_and_a_flush_send_the_held_rows_first():
         for _ in range(12):
             target.step()
         assert len(pipe.off_rows) > 0
-        pipe.call(lambda c: c.finish(["r0"]), timeout=60, after_held=True)     # RemoteDraftSession.finish's call
+        held_r0 = len(target.hist["r0"])
+        pipe.finish(["r0"])                                      # what RemoteDraftSession.finish calls
+        pipe.flush(60)
         assert len(pipe.off_rows) == 0
+        # the free did not overtake r0's held rows: nothing of r0 was shipped after it (that would be
+        # a request the client no longer knows, blamed as a cold start, and the server's copy short)
+        client = pipe.call(lambda c: c.stats(), timeout=60)
+        assert client["requests"]["disabled"] == 0 and not client["counters"].get("failures"), client
+        assert held_r0 > len(target.prompt["r0"])                # r0 had held decode rows to lose
         # r1 keeps its context: a draft for it now sees every row it shipped, held ones included
         hist, anchor = target.hist["r1"], target.anchor["r1"]
         ask = step(["r1"], [(len(hist), [])], anchors=[anchor], k=K)
@@ -215,7 +222,7 @@ def test_a_free_and_a_flush_send_the_held_rows_first():
         for _ in range(6):
             target.step()
         assert len(pipe.off_rows) > 0
-        pipe.call(lambda c: c.flush(), timeout=60, after_held=True)             # RemoteDraftSession.flush's call
+        pipe.flush(60)                                                          # what RemoteDraftSession.flush calls
         assert len(pipe.off_rows) == 0
         hist, anchor = target.hist["r1"], target.anchor["r1"]
         ask = step(["r1"], [(len(hist), [])], anchors=[anchor], k=K)

@@ -186,6 +186,21 @@ class DraftPipeline:
         if merged is not None:
             self.client.step(merged)
 
+    def finish(self, req_ids: list[str]) -> None:
+        """Free requests vLLM dropped (not waited for): the rows :attr:`off_rows` holds go first, so a
+        free never overtakes a request's own rows; the controller forgets them."""
+        controller = self.controller
+
+        def finish(client):
+            client.finish(req_ids)
+            if controller is not None:
+                controller.forget(req_ids)
+        self.call(finish, wait=False, after_held=True)
+
+    def flush(self, timeout: float) -> None:
+        """Wait until everything handed to the draft thread, held rows included, is on the server."""
+        self.call(lambda c: c.flush(), timeout=timeout, after_held=True)
+
     def close(self, timeout: float) -> None:
         """Stop the thread after the queued work (bounded), close the client; the fence is
         released for good either way. Idempotent."""

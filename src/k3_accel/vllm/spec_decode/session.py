@@ -241,13 +241,7 @@ class RemoteDraftSession:
 
     def finish(self, req_ids: Iterable[str]) -> None:
         if self.pipeline is not None:
-            ids, controller = list(req_ids), self.pipeline.controller
-
-            def finish(client):
-                client.finish(ids)
-                if controller is not None:
-                    controller.forget(ids)
-            self.pipeline.call(finish, wait=False, after_held=True)    # their rows, then the free
+            self.pipeline.finish(list(req_ids))
 
     def wants_history(self) -> frozenset[str]:
         """Requests whose next rows must come with their token history (drafting again)."""
@@ -257,7 +251,7 @@ class RemoteDraftSession:
     def flush(self) -> None:
         """Wait until everything handed to the draft thread is on the server (tests, shutdown)."""
         if self.pipeline is not None:
-            self.pipeline.call(lambda c: c.flush(), timeout=self._wait_s(), after_held=True)
+            self.pipeline.flush(self._wait_s())
 
     def stats(self) -> dict:
         if self.pipeline is None:
