@@ -1,11 +1,12 @@
 """/healthz, /readyz and /metrics on a small threaded HTTP server."""
 from __future__ import annotations
 
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from k3_accel import threads
 
 
 def _handler(registry: CollectorRegistry, ready: Callable[[], bool], on_scrape: Callable[[], None]) -> type:
@@ -42,10 +43,9 @@ class HealthServer:
         self.httpd = ThreadingHTTPServer((host, port), _handler(registry, ready, on_scrape))
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="k3-http", daemon=True)
 
     def start(self) -> "HealthServer":
-        self._thread.start()
+        threads.start(self.httpd.serve_forever, "k3-http")
         return self
 
     def close(self) -> None:

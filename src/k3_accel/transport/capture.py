@@ -33,6 +33,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from k3_accel import threads
+
 log = logging.getLogger("k3_accel.transport")
 
 TAIL = b"]}\n"
@@ -195,8 +197,7 @@ class CaptureWriter:
         self.errors = 0
         self._files: OrderedDict[str, _RequestFiles] = OrderedDict()
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="k3-capture", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._run, "k3-capture")
 
     def submit(self, job: CaptureJob) -> None:
         self._queue.put(("write", job))

@@ -17,6 +17,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from k3_accel import threads
+
 log = logging.getLogger("k3_accel.transport")
 
 
@@ -36,8 +38,7 @@ class Sender:
         self._cond = threading.Condition()
         self._outstanding = 0
         self.broken: Exception | None = None       # set by a failed job; the step thread acts on it
-        self._thread = threading.Thread(target=self._run, name="k3-draft-sender", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._run, "k3-draft-sender")
 
     def submit(self, job: SendJob) -> None:
         with self._cond:

@@ -51,6 +51,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from k3_accel import threads
 from k3_accel.transport.api import StepOutput
 from k3_accel.transport.staging import pinning_available
 from k3_accel.vllm.spec_decode.gate import gate_value
@@ -85,8 +86,7 @@ class DraftPipeline:
         self._seq = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="k3-draft", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._run, "k3-draft")
         self._pending: dict[int, list] = {}           # fence value -> [submitted, launch, GPU reached it] (monotonic)
         self._expired: set[int] = set()                # released by the deadline, still running
         self._released: set[int] = set()               # released because the controller drafts nothing
@@ -97,7 +97,7 @@ class DraftPipeline:
         self.stalled = False
         self.stall_s = stall_s
         if stall_s is not None or deadline_s is not None:
-            threading.Thread(target=self._watch, name="k3-draft-watchdog", daemon=True).start()
+            threads.start(self._watch, "k3-draft-watchdog")
         self.call(lambda c: c.start(start_wait_s), wait=False)
 
     # ------------------------------------------------------------ step thread
