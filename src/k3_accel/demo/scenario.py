@@ -158,22 +158,25 @@ def _run_round(llm: Any, tag: str, rnd: Round, server: DraftServer | None) -> di
     t0 = time.perf_counter()
     for rid, prompt, n in zip(ids, rnd.prompts, lengths):
         engine.add_request(rid, _prompt(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    outputs, step = {}, 0
+    outputs, step, acting = {}, 0, 0.0
     while engine.has_unfinished_requests():
         for action in rnd.actions:
             if action["step"] == step:
+                t_act = time.perf_counter()
                 _act(server, action)
+                acting += time.perf_counter() - t_act
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out
         step += 1
-    elapsed = time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0 - acting      # the harness's own actions (a kill, a sleep) are not generation
     after = _spec_counters(llm)
     if rnd.wait_ready:
         _step_until_ready(llm, tag)
     return {"label": rnd.label, "outputs": [list(outputs[i].outputs[0].token_ids) for i in ids],
             "prompt_token_ids": [list(outputs[i].prompt_token_ids) for i in ids],
             "texts": [outputs[i].outputs[0].text for i in ids], "steps": step, "generate_s": elapsed,
+            "actions_s": acting,
             "spec": {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS.values()},
             "accepted_per_pos": _per_position(before, after),
             "client": _drafter_stats(llm),
