@@ -68,7 +68,7 @@ class StepCost:
     @property
     def round_trip(self) -> float | None:
         if self._wait is None and self.waits:
-            self._wait = float(np.median(self.waits))
+            self._wait = _median(np.asarray(self.waits))
         return self._wait
 
     def line(self) -> tuple[float, float]:
@@ -85,12 +85,20 @@ class StepCost:
         dx = x[j] - x[i]
         ok = dx != 0
         if ok.any():
-            b = self._slope = max(float(np.median((y[j] - y[i])[ok] / dx[ok])), 0.0)
+            b = self._slope = max(_median((y[j] - y[i])[ok] / dx[ok]), 0.0)
         elif self._slope is not None:          # steps all of one size now: what a token cost when
             b = self._slope                    # sizes last differed (at B = 1, 1/8 of a whole step
         else:                                  # made 7 drafts cost 5 ms on the H200's 8B target)
-            b = max(float(np.median(y)) / max(float(np.median(x)), 1.0) / 8, 0.0)
-        return max(float(np.median(y - b * x)), 0.0), b
+            b = max(_median(y) / max(_median(x), 1.0) / 8, 0.0)
+        return max(_median(y - b * x), 0.0), b
+
+
+def _median(v: np.ndarray) -> float:
+    """``np.median`` of a small 1-D array without NaNs, the same value (the fit runs every step, and
+    ``np.median``'s checks cost more than the sort)."""
+    v = np.sort(v)
+    n = len(v)
+    return float(v[n // 2]) if n % 2 else float((v[n // 2 - 1] + v[n // 2]) / 2)
 
 
 _PAIRS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
