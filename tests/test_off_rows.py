@@ -130,6 +130,7 @@ class Target:
         self.prompt = {rid: [rng.randrange(10, 16) for _ in range(12)] for rid in self.ids}
         self.anchor = {rid: rng.randrange(10, 16) for rid in self.ids}
         self.rng = rng
+        self.returned: list[bool] = []          # per step: whether the step thread waited for the draft thread
 
     def step(self):
         chunks, prompts = [], {}
@@ -145,9 +146,12 @@ class Target:
             self.hist[rid] += toks
             self.anchor[rid] = a
         self.now += 0.010
-        out = self.pipe.call(lambda c: self.pipe.run_step(inp, hold_rows=True), timeout=60)
+        out = self.pipe.step_v1(inp, timeout=60)          # what RemoteDraftSession.step calls (V1)
         self.now += 0.002
-        return out.drafts
+        self.returned.append(out is not None)
+        inp.positions.fill_(-7)                          # the runner reuses its buffers from here on
+        inp.token_ids.fill_(-7)
+        return torch.full((len(self.ids), K), -1, dtype=torch.int64) if out is None else out.drafts
 
 
 def test_held_rows_reach_the_server_before_its_next_draft():
@@ -177,8 +181,8 @@ def test_held_rows_reach_the_server_before_its_next_draft():
                     g = int((drafts[i] >= 0).sum())
                     want = expected(target.hist[rid], target.anchor[rid], K)
                     assert drafts[i].tolist() == want[:g] + [-1] * (K - g), (n, rid)
+        client = pipe.call(lambda c: c.stats(), timeout=60)      # after every step handed over
         held = pipe.off_rows.stats()
-        client = pipe.call(lambda c: c.stats(), timeout=60)
         assert probes >= 2 and ctl["off_steps"] >= 25
         assert held["held_steps"] >= 20, held
         sent = client["counters"].get("ingest_messages", 0)
@@ -204,6 +208,7 @@ def test_a_free_and_a_flush_send_the_held_rows_first():
         target = Target(pipe, 2, random.Random(3))
         for _ in range(12):
             target.step()
+        pipe.call(lambda c: None, timeout=60)                     # the draft thread has run every step
         assert len(pipe.off_rows) > 0
         held_r0 = len(target.hist["r0"])
         pipe.finish(["r0"])                                      # what RemoteDraftSession.finish calls
@@ -221,6 +226,7 @@ def test_a_free_and_a_flush_send_the_held_rows_first():
 
         for _ in range(6):
             target.step()
+        pipe.call(lambda c: None, timeout=60)                     # the draft thread has run every step
         assert len(pipe.off_rows) > 0
         pipe.flush(60)                                                          # what RemoteDraftSession.flush calls
         assert len(pipe.off_rows) == 0
@@ -231,3 +237,43 @@ def test_a_free_and_a_flush_send_the_held_rows_first():
         pipe.close(10)
         server.stop()
 
+
+
+def test_an_off_step_hands_its_rows_over_without_waiting():
+    """While speculation stays off, a V1 step returns at once (no drafts) even with the draft thread
+    busy; its rows were copied before it returned (the runner overwrites them), and the server
+    still ends up with every row in order."""
+    import threading
+
+    from k3_accel.transport.client import DraftClient
+    from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
+    from k3_accel.vllm.spec_decode.fence import HostFence
+    from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
+
+    server = ServerProcess("--engine", "ngram")
+    failures: list[str] = []
+    pipe = DraftPipeline(DraftClient(settings(server.address, num_speculative_tokens=K)), HostFence(), 8, K,
+                         lambda kind, what: failures.append(what),
+                         controller=Controller(ControllerSettings(k_max=K, probe_interval=1000, prior=0.0,
+                                                                  prior_weight=100.0)))
+    try:
+        target = Target(pipe, 3, random.Random(11))
+        for _ in range(4):
+            target.step()
+        assert pipe.controller.stays_off()
+        busy = threading.Event()
+        pipe.call(lambda c: busy.wait(60), wait=False)          # the draft thread is busy elsewhere
+        for _ in range(6):
+            target.step()
+        assert target.returned[-6:] == [False] * 6             # none of them waited for it
+        busy.set()
+        pipe.flush(60)
+        assert pipe.controller.counters["held_steps"] >= 6
+        for rid in target.ids:                                  # every row, none of the scribbled copies
+            hist, anchor = target.hist[rid], target.anchor[rid]
+            ask = step([rid], [(len(hist), [])], anchors=[anchor], k=K)
+            assert pipe.call(lambda c: c.step(ask), timeout=60).drafts[0].tolist() == expected(hist, anchor, K), rid
+        assert not failures
+    finally:
+        pipe.close(10)
+        server.stop()

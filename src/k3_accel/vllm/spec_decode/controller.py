@@ -149,16 +149,23 @@ class Controller:
         probe is due soon (nor a probe's verdict: it comes the step after). The step thread asks (V2), up to
         ``HOLD_MARGIN`` steps ahead of this thread; a step launched so is ``held``: it drafts
         nothing and a probe that falls due on it waits for the next step that is not."""
-        due = self._off + HOLD_MARGIN > self._interval
-        return self._off > 0 and self.s.k_min == 0 and not due
+        return self.off_budget() >= HOLD_MARGIN
+
+    def off_budget(self) -> int:
+        """How many more steps draft nothing before a probe falls due (0 while speculation is on):
+        the steps a V1 step thread may hand over without waiting, the choice being known already."""
+        if self._off == 0 or self.s.k_min > 0:
+            return 0
+        return max(0, self._interval - self._off)
 
     def step(self, inp: Any, run: Callable[[Any], Any], decided: Callable[[bool], None] | None = None,
-             held: bool = False) -> Any:
+             held: bool = False, at: float | None = None) -> Any:
         """Learn from ``inp``, choose, run ``run(inp')`` (the client's step) and mask its drafts.
         ``decided(proposing)`` is called as soon as the choice is made, before ``run``: a step that
         drafts nothing need not hold the GPU while its rows are shipped. ``held``: launched without
-        drafts on :meth:`stays_off` (an ingest); it counts as a step drafting nothing."""
-        start = self.clock()
+        drafts on :meth:`stays_off` (an ingest); it counts as a step drafting nothing. ``at``: when
+        the step reached the plugin (:attr:`clock`), if it waited in a queue before this call."""
+        start = self.clock() if at is None else at
         sampled = np.asarray(inp.sampled, dtype=bool)
         counts = np.asarray(inp.counts, dtype=np.int64)
         self._learn(inp, sampled, counts, start)
@@ -183,14 +190,14 @@ class Controller:
                            int(ks.sum()), int(ks.max()) if len(ks) else 0, self._off, bool(held), self._probing,
                            round(self._last_wait * 1e3, 3)))
         drafts = out.drafts
-        if drafts.numel():
+        if proposing and drafts.numel():
             cols = np.arange(drafts.shape[1])
             d = drafts.numpy()
             d[cols[None, :] >= ks[:, None]] = -1
             given = (d >= 0).sum(axis=1)
-        else:
-            given = np.zeros(len(counts), np.int64)
-        self.given = {rid: int(g) for rid, g, s in zip(inp.req_ids, given, sampled) if s}
+            self.given = {rid: int(g) for rid, g, s in zip(inp.req_ids, given, sampled) if s}
+        else:                                   # nothing handed out (the drafts are all -1)
+            self.given = {}
         return out
 
     def _hinted(self, ks: np.ndarray, sampled: np.ndarray, counts: np.ndarray, out: Any) -> np.ndarray:

@@ -17,6 +17,7 @@ rows end (a rewind ships what is held first), and at most ``max_rows`` rows and
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,24 +55,39 @@ class OffRows:
     def __len__(self) -> int:
         return len(self._steps)
 
+    @staticmethod
+    def host_only(inp: StepInput) -> bool:
+        """Every row of ``inp`` is on the host (the only rows ever held)."""
+        return all(t.device.type == "cpu" for t in (inp.positions, inp.token_ids, inp.hidden) if t is not None)
+
+    @staticmethod
+    def own(inp: StepInput) -> StepInput:
+        """``inp`` with copies of its rows and anchors (host rows: see :meth:`host_only`), for a step
+        handed to the draft thread without waiting: the runner reuses its buffers at the next step."""
+        tokens, positions = inp.anchors()
+        return dataclasses.replace(inp, positions=inp.positions.clone(), token_ids=inp.token_ids.clone(),
+                                   hidden=None if inp.hidden is None else inp.hidden.clone(),
+                                   anchor_tokens=tokens.copy(), anchor_positions=positions.copy())
+
     def fits(self, inp: StepInput) -> bool:
         """Whether ``inp`` (an ingest) may be held: see the module docstring."""
-        tensors = [inp.positions, inp.token_ids] + ([inp.hidden] if inp.hidden is not None else [])
-        if inp.k != 0 or any(t.device.type != "cpu" for t in tensors) or \
+        if inp.k != 0 or not self.host_only(inp) or \
                 (self._steps and (self._steps[0].hidden is None) != (inp.hidden is None)):
             return False
         n = int(sum(inp.counts))
-        if self.rows + n > self.max_rows or self.bytes + sum(_nbytes(t) for t in tensors) > self.max_bytes:
+        if self.rows + n > self.max_rows or self.bytes + sum(map(_nbytes, (inp.positions, inp.token_ids, inp.hidden))) > self.max_bytes:
             return False
         _, positions = inp.anchors()
         return all(self._end.get(rid, a - c) == a - c for rid, c, a in zip(inp.req_ids, inp.counts, positions) if c)
 
-    def add(self, inp: StepInput) -> None:
-        """Hold ``inp`` (copies its rows: the runner reuses its buffers); call only when :meth:`fits`."""
+    def add(self, inp: StepInput, owned: bool = False) -> None:
+        """Hold ``inp`` (copies its rows: the runner reuses its buffers; ``owned``: :meth:`own` made
+        them already); call only when :meth:`fits`."""
+        if not owned:
+            inp = self.own(inp)
         tokens, positions = inp.anchors()
         counts = np.fromiter(inp.counts, dtype=np.int64, count=len(inp.req_ids))
-        held = _Held(list(inp.req_ids), counts, inp.positions.clone(), inp.token_ids.clone(),
-                     None if inp.hidden is None else inp.hidden.clone(), tokens.copy(), positions.copy(),
+        held = _Held(list(inp.req_ids), counts, inp.positions, inp.token_ids, inp.hidden, tokens, positions,
                      None if inp.num_accepted is None else [int(a) for a in inp.num_accepted])
         self._steps.append(held)
         for rid, c, a in zip(held.req_ids, counts.tolist(), positions.tolist()):

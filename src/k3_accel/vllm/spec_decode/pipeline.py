@@ -84,6 +84,7 @@ class DraftPipeline:
         self.confidence = torch.full(self.reply.shape, -1.0, dtype=torch.float32,
                                      pin_memory=pinning_available() and fence.on_device)
         self._seq = 0
+        self._off_budget = 0                          # V1 steps that may go unwaited for (step_v1)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._thread = threads.start(self._run, "k3-draft")
@@ -156,22 +157,51 @@ class DraftPipeline:
         return value
 
     def run_step(self, inp: Any, decided: Callable[[bool], None] | None = None, held: bool = False,
-                 hold_rows: bool = False) -> Any:
+                 hold_rows: bool = False, at: float | None = None, owned: bool = False) -> Any:
         """The client's step, through the controller when there is one (draft thread only);
-        ``decided``, ``held``: see :meth:`~.controller.Controller.step`. ``hold_rows``: the
+        ``decided``, ``held``, ``at``: see :meth:`~.controller.Controller.step`. ``hold_rows``: the
         rows of a step that drafts nothing while speculation stays off may wait in
-        :attr:`off_rows` and go with a later message (V1: :mod:`.off_rows`)."""
+        :attr:`off_rows` and go with a later message (V1: :mod:`.off_rows`); ``owned``: they are
+        copies already (:meth:`.OffRows.own`)."""
         if self.controller is None:
             return self.client.step(inp)
+        run = (lambda i: self._hold_or_ship(i, owned)) if hold_rows else self._ship
         try:
-            return self.controller.step(inp, self._hold_or_ship if hold_rows else self._ship, decided, held)
+            return self.controller.step(inp, run, decided, held, at)
         finally:
             if self.gate is not None:
                 self.gate.set(gate_value(self.controller))
 
-    def _hold_or_ship(self, inp: Any) -> Any:
+    def step_v1(self, inp: Any, timeout: float) -> Any | None:
+        """A V1 step (step thread): the step's :class:`StepOutput` once the draft thread has run it,
+        or None without waiting while the controller's choice is known to be "nothing"
+        (:meth:`~.controller.Controller.off_budget`, as of the last step waited for, when the
+        draft thread was idle: the same decisions as waiting every step) and the rows are on the
+        host: the step drafts nothing, and its rows (copied first: the runner reuses its buffers)
+        go to the draft thread to be held like any off step's. Its failures are recorded there;
+        the caller's step has no drafts either way."""
+        ctl = self.controller
+        if ctl is None or self._off_budget <= 0 or not OffRows.host_only(inp):
+            def waited(client):
+                out = self.run_step(inp, hold_rows=True)
+                self._off_budget = ctl.off_budget() if ctl is not None else 0
+                return out
+            self._off_budget = 0
+            return self.call(waited, timeout=timeout)
+        self._off_budget -= 1
+        owned, at = OffRows.own(inp), ctl.clock()
+
+        def held(client):
+            try:
+                self.run_step(owned, held=True, hold_rows=True, at=at, owned=True)
+            except Exception:  # noqa: BLE001 - fail closed, like a step waited for
+                self.on_failure("step", "the remote draft step")
+        self.call(held, wait=False)
+        return None
+
+    def _hold_or_ship(self, inp: Any, owned: bool = False) -> Any:
         if inp.k == 0 and self.controller.stays_off() and self.off_rows.fits(inp):
-            self.off_rows.add(inp)
+            self.off_rows.add(inp, owned)
             return StepOutput(torch.full((inp.num_requests, 0), -1, dtype=torch.int64), deferred=True)
         return self._ship(inp)
 

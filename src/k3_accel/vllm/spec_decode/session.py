@@ -210,8 +210,9 @@ class RemoteDraftSession:
 
     def _drive(self, inp: StepInput, num_requests: int, k: int) -> torch.Tensor | None:
         try:
-            out: StepOutput = self.pipeline.call(lambda c: self.pipeline.run_step(inp, hold_rows=True),
-                                                 timeout=self._wait_s())
+            out: StepOutput | None = self.pipeline.step_v1(inp, self._wait_s())
+            if out is None:                 # an off step, handed over without waiting: no drafts
+                return None
             if tuple(out.drafts.shape) != (num_requests, k):
                 raise ValueError(f"drafts shape {list(out.drafts.shape)} != [{num_requests}, {k}]")
             return out.drafts.to(self.device)
