@@ -406,3 +406,22 @@ def test_the_recent_steps_say_why_speculation_went_off():
     stalled = [p for p, fitted in zip(col["period_ms"], col["period_fitted"]) if fitted is False]
     assert stalled and min(stalled) > 900                                    # the 1 s step was left out
     assert all(r == 2 for r in col["rows"][-5:]) and set(col["sampling"]) == {2}
+
+
+@pytest.mark.parametrize("verification", [False, True])
+def test_a_probe_lasts_one_step_unless_vllm_verifies_a_step_late(verification):
+    """A probe's first step is verified at once by the V1 runner and by V2 without adaptive
+    verification: one step of drafts tells whether drafting pays. vLLM's adaptive verification
+    sizes a step from the confidences of the step before, so there the probe's first drafts go
+    unverified and a second step is needed. Built as the session builds it, from vLLM's config."""
+    from k3_accel.config import K3Config
+    from k3_accel.vllm.spec_decode.session import TargetFacts, make_controller
+    facts = TargetFacts(method="dflash", num_speculative_tokens=K, aux_layer_ids=(1,), hidden_size=8,
+                        hidden_dtype=torch.float32, max_rows=64, adaptive_verification=verification)
+    t = FakeTarget(make_controller(K3Config(), facts), batch=4)
+    t.stale_budget = verification
+    t.step(300)
+    probing = [bool(d.sum()) for d in t.asked[5:]]
+    bursts = [len(run) for run in "".join("x" if p else " " for p in probing).split()]
+    assert len(bursts) >= 3, bursts
+    assert set(bursts) == {2 if verification else 1}, bursts

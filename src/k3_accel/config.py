@@ -114,7 +114,7 @@ class K3Config:
     device_plane: str = "auto"                # auto: hidden rows GPU to GPU when the server is on this host; off
     adaptive: bool = True                     # per-step K from measured acceptance and costs; off = fixed K
     adaptive_min_k: int = 0                   # fewest drafts for a sampling request (0: speculation may stop)
-    adaptive_probe_interval: int = 32         # while speculation is off, a two-step probe every this many steps
+    adaptive_probe_interval: int = 32         # while speculation is off, a probe every this many steps
     adaptive_gate: str = "auto"               # V2: while speculation is off the scheduler schedules plain
                                               # decodes; auto: with vLLM's adaptive verification only
     capture_dir: str | None = None

@@ -39,6 +39,7 @@ class TargetFacts:
     max_rows: int
     vocab_size: int = 0
     max_num_seqs: int = 0
+    adaptive_verification: bool = False     # vLLM's: it verifies a step's drafts by the step before's confidence
 
     @property
     def context_width(self) -> int:
@@ -80,7 +81,8 @@ def target_facts(vllm_config: Any) -> TargetFacts:
     return TargetFacts(method=spec.method, num_speculative_tokens=int(spec.num_speculative_tokens),
                        aux_layer_ids=aux_layer_ids(spec), hidden_size=int(model.get_hidden_size()),
                        hidden_dtype=model.dtype, max_rows=int(sched.max_num_batched_tokens),
-                       vocab_size=int(model.get_vocab_size()), max_num_seqs=int(sched.max_num_seqs))
+                       vocab_size=int(model.get_vocab_size()), max_num_seqs=int(sched.max_num_seqs),
+                       adaptive_verification=bool(getattr(spec, "enable_adaptive_verification", False)))
 
 
 def client_settings(vllm_config: Any, facts: TargetFacts, rows_on: torch.device | None = None) -> ClientSettings:
@@ -106,8 +108,11 @@ def make_controller(config: Any, facts: TargetFacts):
     k = facts.num_speculative_tokens
     if not config.adaptive or k < 1:
         return None
+    # a probe drafts fully for one step, two with vLLM's adaptive verification (it leaves the first
+    # step's drafts unverified: it sizes a step from the confidences of the step before)
     return Controller(ControllerSettings(k_max=k, k_min=min(config.adaptive_min_k, k),
-                                         probe_interval=config.adaptive_probe_interval))
+                                         probe_interval=config.adaptive_probe_interval,
+                                         probe_steps=2 if facts.adaptive_verification else 1))
 
 
 def _client_name(vllm_config: Any) -> str:
