@@ -172,7 +172,7 @@ def test_held_rows_reach_the_server_before_its_next_draft():
         probes = 0
         for n in range(70):
             drafts = target.step()
-            ctl = pipe.controller.snapshot()
+            ctl = pipe.call(lambda c: pipe.controller.snapshot(), timeout=60)   # on the thread that owns it
             if (drafts >= 0).any():                     # a probe: the server had every held row
                 probes += n > 3
                 for i, rid in enumerate(target.ids):

@@ -19,7 +19,8 @@ rejections before it describe a regime that has ended). Everything it uses is me
   drafts this controller handed out the step before, counting only those the
   target verified when the runner says (``StepInput.num_verified``);
 * **the target step's time** as ``a + b * tokens`` (a robust line, Theil-Sen, over
-  the last step periods it sees, the draft wait taken out; stalls left out);
+  the last step periods it sees, the draft wait taken out; stalls left out), with its own
+  ``a`` for forwards that verify drafts (what drafting costs beyond its tokens);
 * **the draft round trip**: the median wait of the recent steps that proposed.
 
 With survival ``s_ij`` (request ``i``'s first ``j`` drafts all accepted) the
@@ -216,12 +217,11 @@ class Controller:
         k = min(c.shape[1], int(ks.max()))
         surv = np.cumprod(np.clip(c[rows, :k], 0.0, 1.0), axis=1)
         surv[np.arange(k)[None, :] >= ks[rows, None]] = 0.0          # never past the earlier choice
-        a, b = self.cost.line()
         others = np.ones(len(ks), dtype=bool)
         others[rows] = False
         base = float(np.count_nonzero(sampled) + counts[~sampled].sum() + ks[others].sum())
-        chosen = _best_prefix(surv, int(np.count_nonzero(sampled)), a, b, base, 0.0,
-                              min(self.s.k_min, k))
+        chosen = _best_prefix(surv, int(np.count_nonzero(sampled)), self.cost.line(False), self.cost.line(True),
+                              base, 0.0, min(self.s.k_min, k))
         trimmed = ks.copy()
         trimmed[rows] = np.minimum(ks[rows], chosen)
         self.counters["hint_trimmed_drafts"] += int((ks - trimmed).sum())
@@ -252,7 +252,7 @@ class Controller:
         if self._last_start is not None:
             period = start - self._last_start - self._last_wait
             if period > self.s.min_step_s:
-                self._period = (round(period * 1e3, 3), self.cost.observe(tokens, period))
+                self._period = (round(period * 1e3, 3), self.cost.observe(tokens, period, bool(seen)))
         self._last_start = start
 
     def _judge_probe(self, seen: list, sampled: np.ndarray, counts: np.ndarray) -> None:
@@ -274,10 +274,12 @@ class Controller:
         a, b = self.cost.line()
         rt = self.cost.round_trip or 0.0
         base = float(n + counts[~sampled].sum())
-        pays = bool(_best_prefix(np.tile(np.cumprod(rate), (n, 1)), n, a, b, base, rt, 0).any())
+        pays = bool(_best_prefix(np.tile(np.cumprod(rate), (n, 1)), n, (a, b), self.cost.line(True), base, rt,
+                                 0).any())
         self.counters["probes_judged"] += 1
         self.last_probe = {"acceptance": [round(float(x), 3) for x in rate], "pays": pays,
                            "step_ms": round(a * 1e3, 3), "per_token_ms": round(b * 1e3, 5),
+                           "step_with_drafts_ms": round(self.cost.line(True)[0] * 1e3, 3),
                            "round_trip_ms": round(rt * 1e3, 3)}
         if pays:
             self.acceptance.restart(tried, accepted)
@@ -297,11 +299,17 @@ class Controller:
             ks[idx] = k
             self.k_hist[k] += int(idx.size)
             return ks
+        if self.s.k_min == 0 and self.cost.measured(False) < self.cost.min_steps and self.given:
+            # what a plain forward costs is measured, never borrowed from forwards that verified
+            # drafts (those may cost more than their tokens say): until a few are, every other step
+            # while drafting is plain
+            self.counters["calibration_steps"] += 1
+            self.k_hist[0] += int(idx.size)
+            return ks
         surv = self.acceptance.survival([req_ids[i] for i in idx])
-        a, b = self.cost.line()
         rt = self.cost.round_trip or 0.0
         base = float(idx.size + counts[~sampled].sum())          # next step's tokens without drafts
-        chosen = _best_prefix(surv, idx.size, a, b, base, rt, self.s.k_min)
+        chosen = _best_prefix(surv, idx.size, self.cost.line(False), self.cost.line(True), base, rt, self.s.k_min)
         if not chosen.any() and self.s.k_min == 0:
             self._off += 1
             self.counters["off_steps"] += 1
@@ -334,15 +342,17 @@ class Controller:
         a, b = self.cost.line()
         return {"k_chosen": {str(k): n for k, n in sorted(self.k_hist.items())},
                 "acceptance_per_position": [round(float(x), 4) for x in self.acceptance.global_rate()],
-                "step_ms": {"fixed": round(a * 1e3, 4), "per_token": round(b * 1e3, 6)},
+                "step_ms": {"fixed": round(a * 1e3, 4), "per_token": round(b * 1e3, 6),
+                            "fixed_with_drafts": round(self.cost.line(True)[0] * 1e3, 4)},
                 "round_trip_ms": None if self.cost.round_trip is None else round(self.cost.round_trip * 1e3, 4),
                 "stalled_steps": self.cost.stalls, "last_probe": self.last_probe, **self.counters,
                 "recent_fields": TRACE_FIELDS, "recent": [list(t) for t in self.trace]}
 
 
-def _best_prefix(surv: np.ndarray, batch: int, a: float, b: float, base: float, rt: float,
-                 k_min: int) -> np.ndarray:
-    """Drafts per request: the prefix of the sorted survivals that maximises tokens per second."""
+def _best_prefix(surv: np.ndarray, batch: int, off: tuple[float, float], on: tuple[float, float], base: float,
+                 rt: float, k_min: int) -> np.ndarray:
+    """Drafts per request: the prefix of the sorted survivals that maximises tokens per second;
+    ``off`` / ``on``: the ``(a, b)`` of a forward without drafts / with drafts to verify."""
     r, k = surv.shape
     fixed = np.zeros(r, dtype=np.int64) + k_min
     free = surv[:, k_min:]
@@ -351,7 +361,8 @@ def _best_prefix(surv: np.ndarray, batch: int, a: float, b: float, base: float, 
     m = np.arange(len(gains) + 1)
     tokens = np.concatenate(([0.0], np.cumsum(gains))) + batch + surv[:, :k_min].sum()
     extra = m + r * k_min
-    cost = a + b * (base + extra) + rt * (extra > 0)
+    drafting = extra > 0
+    cost = np.where(drafting, on[0] + on[1] * (base + extra) + rt, off[0] + off[1] * (base + extra))
     rate = tokens / np.maximum(cost, 1e-12)
     best = int(np.argmax(rate))                   # ties: the fewest drafts
     chosen = fixed.copy()

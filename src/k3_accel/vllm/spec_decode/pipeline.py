@@ -181,7 +181,9 @@ class DraftPipeline:
         go to the draft thread to be held like any off step's. Its failures are recorded there;
         the caller's step has no drafts either way."""
         ctl = self.controller
-        if ctl is None or self._off_budget <= 0 or not OffRows.host_only(inp):
+        # off_budget() reads 0 as soon as the draft thread finds that drafting would pay again (a
+        # step handed over meanwhile is one step late to draft, never more)
+        if ctl is None or self._off_budget <= 0 or ctl.off_budget() <= 0 or not OffRows.host_only(inp):
             def waited(client):
                 out = self.run_step(inp, hold_rows=True)
                 self._off_budget = ctl.off_budget() if ctl is not None else 0
