@@ -70,3 +70,19 @@ def test_a_bad_run_says_so(breakage, line):
 def test_untrained_and_real_checkpoints_are_named():
     assert "tiny random target and draft (--untrained)" in format_report(_result(), "dflash", tiny="untrained")
     assert "checkpoints: your checkpoints" in format_report(_result(), "ngram", tiny=None)
+
+
+def test_the_controller_line_says_what_it_measured():
+    """`k3-accel demo --adaptive` reports the controller's own measurements, a plain forward and one
+    that verified drafts apart (a draft server on the target's cores makes the second dearer)."""
+    from k3_accel.demo.report import _controller
+    from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
+    c = Controller(ControllerSettings(k_max=4))
+    for n in range(8):
+        c.cost.observe(8 + n, 0.004 + 0.0001 * (8 + n))                 # plain forwards
+        c.cost.observe(40 + n, 0.012 + 0.0001 * (40 + n), True)         # forwards that verified drafts
+    c.cost.observe_round_trip(0.005)
+    line = _controller({"controller": c.snapshot()})
+    assert "target step 4.00 ms + 100.0 us/token (12.00 ms" in line, line
+    assert "draft round trip 5.00 ms" in line, line
+    assert _controller({}).startswith("fixed K")

@@ -83,11 +83,13 @@ def _controller(client: dict) -> str:
     hist = {int(k): n for k, n in (c.get("k_chosen") or {}).items()}
     total = sum(hist.values()) or 1
     spread = " ".join(f"K={k}: {n / total:.0%}" for k, n in sorted(hist.items()) if n)
-    rt = c.get("round_trip_ms")
+    rt, step = c.get("round_trip_ms"), c["step_ms"]
+    drafting = step.get("fixed_with_drafts")
     return (f"chosen per request and step by the controller ({spread or 'no steps'}); speculation off for "
             f"{c.get('off_steps', 0)} steps, {c.get('probe_steps', 0)} probes; measured: target step "
-            f"{c['step_ms']['fixed']:.2f} ms + {c['step_ms']['per_token'] * 1e3:.1f} us/token, draft round trip "
-            f"{'-' if rt is None else f'{rt:.2f} ms'}")
+            f"{step['fixed']:.2f} ms + {step['per_token'] * 1e3:.1f} us/token"
+            f"{'' if drafting is None else f' ({drafting:.2f} ms + the same per token with drafts to verify)'}, "
+            f"draft round trip {'-' if rt is None else f'{rt:.2f} ms'}")
 
 
 def _checkpoints(result: dict, tiny: str | None) -> str:
