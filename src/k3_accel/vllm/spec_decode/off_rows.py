@@ -75,7 +75,8 @@ class OffRows:
                 (self._steps and (self._steps[0].hidden is None) != (inp.hidden is None)):
             return False
         n = int(sum(inp.counts))
-        if self.rows + n > self.max_rows or self.bytes + sum(map(_nbytes, (inp.positions, inp.token_ids, inp.hidden))) > self.max_bytes:
+        size = sum(map(_nbytes, (inp.positions, inp.token_ids, inp.hidden)))
+        if self.rows + n > self.max_rows or self.bytes + size > self.max_bytes:
             return False
         _, positions = inp.anchors()
         return all(self._end.get(rid, a - c) == a - c for rid, c, a in zip(inp.req_ids, inp.counts, positions) if c)

@@ -175,14 +175,13 @@ class DraftPipeline:
     def step_v1(self, inp: Any, timeout: float) -> Any | None:
         """A V1 step (step thread): the step's :class:`StepOutput` once the draft thread has run it,
         or None without waiting while the controller's choice is known to be "nothing"
-        (:meth:`~.controller.Controller.off_budget`, as of the last step waited for, when the
-        draft thread was idle: the same decisions as waiting every step) and the rows are on the
-        host: the step drafts nothing, and its rows (copied first: the runner reuses its buffers)
-        go to the draft thread to be held like any off step's. Its failures are recorded there;
-        the caller's step has no drafts either way."""
+        (:meth:`~.controller.Controller.off_budget`, counted at the last step waited for, when the
+        draft thread was idle, and 0 as soon as that thread finds drafting would pay again: then a
+        step already handed over drafts one step late, otherwise the decisions are the ones waiting
+        every step gives) and the rows are on the host: the step drafts nothing, and its rows
+        (copied first: the runner reuses its buffers) go to the draft thread to be held like any off
+        step's. Its failures are recorded there; the caller's step has no drafts either way."""
         ctl = self.controller
-        # off_budget() reads 0 as soon as the draft thread finds that drafting would pay again (a
-        # step handed over meanwhile is one step late to draft, never more)
         if ctl is None or self._off_budget <= 0 or ctl.off_budget() <= 0 or not OffRows.host_only(inp):
             def waited(client):
                 out = self.run_step(inp, hold_rows=True)
