@@ -154,19 +154,38 @@ class Target:
         return torch.full((len(self.ids), K), -1, dtype=torch.int64) if out is None else out.drafts
 
 
-def test_held_rows_reach_the_server_before_its_next_draft():
+def _off_pipeline(server, failures: list[str] | None = None, probe_interval: int = 1000, probe_steps: int = 2):
+    """The real pipeline and client against ``server``, with a controller that starts off (a useless
+    prior) and probes every ``probe_interval`` steps; failures are appended to ``failures``."""
     from k3_accel.transport.client import DraftClient
     from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
     from k3_accel.vllm.spec_decode.fence import HostFence
     from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
+    sink = failures if failures is not None else []
+    return DraftPipeline(DraftClient(settings(server.address, num_speculative_tokens=K)), HostFence(), 8, K,
+                         lambda kind, what: sink.append(what),
+                         controller=Controller(ControllerSettings(k_max=K, probe_interval=probe_interval,
+                                                                  probe_steps=probe_steps, prior=0.0,
+                                                                  prior_weight=100.0)))
 
+
+@pytest.fixture
+def off_pipe():
+    """``(pipeline, failures)`` against a fresh n-gram server, speculation off from the start and no
+    probe due for 1000 steps; closed and stopped afterwards."""
     server = ServerProcess("--engine", "ngram")
     failures: list[str] = []
-    pipe = DraftPipeline(DraftClient(settings(server.address, num_speculative_tokens=K)), HostFence(), 8, K,
-                         lambda kind, what: failures.append(what),
-                         # a draft known to be useless (prior 0): off from the start, a probe now and then
-                         controller=Controller(ControllerSettings(k_max=K, probe_interval=12, probe_steps=1,
-                                                                  prior=0.0, prior_weight=100.0)))
+    pipe = _off_pipeline(server, failures)
+    yield pipe, failures
+    pipe.close(10)
+    server.stop()
+
+
+def test_held_rows_reach_the_server_before_its_next_draft():
+    server = ServerProcess("--engine", "ngram")
+    failures: list[str] = []
+    # a draft known to be useless (prior 0): off from the start, a probe now and then
+    pipe = _off_pipeline(server, failures, probe_interval=12, probe_steps=1)
     try:
         target = Target(pipe, 3, random.Random(7))
         probes = 0
@@ -194,16 +213,8 @@ def test_held_rows_reach_the_server_before_its_next_draft():
 
 
 def test_a_free_and_a_flush_send_the_held_rows_first():
-    from k3_accel.transport.client import DraftClient
-    from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
-    from k3_accel.vllm.spec_decode.fence import HostFence
-    from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
-
     server = ServerProcess("--engine", "ngram")
-    pipe = DraftPipeline(DraftClient(settings(server.address, num_speculative_tokens=K)), HostFence(), 8, K,
-                         lambda kind, what: None,
-                         controller=Controller(ControllerSettings(k_max=K, probe_interval=1000, prior=0.0,
-                                                                  prior_weight=100.0)))
+    pipe = _off_pipeline(server)
     try:
         target = Target(pipe, 2, random.Random(3))
         for _ in range(12):
@@ -239,41 +250,51 @@ def test_a_free_and_a_flush_send_the_held_rows_first():
 
 
 
-def test_an_off_step_hands_its_rows_over_without_waiting():
+def test_an_off_step_hands_its_rows_over_without_waiting(off_pipe):
     """While speculation stays off, a V1 step returns at once (no drafts) even with the draft thread
     busy; its rows were copied before it returned (the runner overwrites them), and the server
     still ends up with every row in order."""
     import threading
 
-    from k3_accel.transport.client import DraftClient
-    from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
-    from k3_accel.vllm.spec_decode.fence import HostFence
-    from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
+    pipe, failures = off_pipe
+    target = Target(pipe, 3, random.Random(11))
+    for _ in range(4):
+        target.step()
+    assert pipe.controller.stays_off()
+    busy = threading.Event()
+    pipe.call(lambda c: busy.wait(60), wait=False)          # the draft thread is busy elsewhere
+    for _ in range(6):
+        target.step()
+    assert target.returned[-6:] == [False] * 6             # none of them waited for it
+    busy.set()
+    pipe.flush(60)
+    assert pipe.controller.counters["held_steps"] >= 6
+    for rid in target.ids:                                  # every row, none of the scribbled copies
+        hist, anchor = target.hist[rid], target.anchor[rid]
+        ask = step([rid], [(len(hist), [])], anchors=[anchor], k=K)
+        assert pipe.call(lambda c: c.step(ask), timeout=60).drafts[0].tolist() == expected(hist, anchor, K), rid
+    assert not failures
 
-    server = ServerProcess("--engine", "ngram")
-    failures: list[str] = []
-    pipe = DraftPipeline(DraftClient(settings(server.address, num_speculative_tokens=K)), HostFence(), 8, K,
-                         lambda kind, what: failures.append(what),
-                         controller=Controller(ControllerSettings(k_max=K, probe_interval=1000, prior=0.0,
-                                                                  prior_weight=100.0)))
-    try:
-        target = Target(pipe, 3, random.Random(11))
-        for _ in range(4):
-            target.step()
-        assert pipe.controller.stays_off()
-        busy = threading.Event()
-        pipe.call(lambda c: busy.wait(60), wait=False)          # the draft thread is busy elsewhere
-        for _ in range(6):
-            target.step()
-        assert target.returned[-6:] == [False] * 6             # none of them waited for it
-        busy.set()
-        pipe.flush(60)
-        assert pipe.controller.counters["held_steps"] >= 6
-        for rid in target.ids:                                  # every row, none of the scribbled copies
-            hist, anchor = target.hist[rid], target.anchor[rid]
-            ask = step([rid], [(len(hist), [])], anchors=[anchor], k=K)
-            assert pipe.call(lambda c: c.step(ask), timeout=60).drafts[0].tolist() == expected(hist, anchor, K), rid
-        assert not failures
-    finally:
-        pipe.close(10)
-        server.stop()
+
+def test_off_steps_are_waited_for_again_once_drafting_would_pay(off_pipe):
+    """Handing off steps over unwaited rests on knowing the controller's choice ahead. Once the
+    draft thread finds that drafting would pay again (here: an acceptance estimate that now says so,
+    with no probe due for hundreds of steps), the very next step the step thread runs after it waits
+    for the draft thread and drafts: not the rest of an off stretch counted before."""
+    import numpy as np
+
+    pipe, failures = off_pipe
+    target = Target(pipe, 3, random.Random(5))
+    for _ in range(6):
+        target.step()
+        pipe.call(lambda c: None, timeout=60)               # the draft thread idle between steps
+    assert target.returned[-3:] == [False] * 3              # off, handed over unwaited
+    assert pipe.controller.off_budget() > 100               # no probe due for a long while
+    tried = np.full(K, 1000.0)
+    pipe.call(lambda c: pipe.controller.acceptance.restart(tried, tried), timeout=60)   # every draft accepted
+    target.step()                                           # the draft thread finds it would pay ...
+    pipe.call(lambda c: None, timeout=60)
+    drafts = target.step()                                  # ... so this step waits, and drafts
+    assert target.returned[-1] is True
+    assert (drafts >= 0).any()
+    assert not failures
