@@ -124,3 +124,45 @@ def test_long_histories_and_chunks_use_the_indexing_path_and_match_the_reference
     fork = engine.fork(state, len(hist) - 1)      # a fork rebuilds its index from its tokens
     want = lookup([*hist[:-1], anchor], k)
     assert propose(engine, [fork], [anchor], k)[0].tolist() == want + [-1] * (k - len(want))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(plan=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9), st.integers(0, 3)), min_size=1, max_size=60),
+       vocab=st.sampled_from([4, 7]), large=st.booleans(), k=st.integers(1, 6), min_n=st.integers(1, 2),
+       extra=st.integers(0, 2), seed=st.integers(0, 2 ** 16))
+def test_batches_of_many_requests_draft_what_each_would_alone(plan, vocab, large, k, min_n, extra, seed):
+    """The engine ingests and proposes several requests per call, as the server batches them:
+    appends of different sizes (0: a request in the batch without rows), rewinds and large ids mixed
+    in one batch. Every request's drafts are what the reference gives for its own history alone."""
+    import random
+    rng = random.Random(seed)
+    engine = NgramEngine(min_n=min_n, max_n=min_n + extra, block_size=4, budget_bytes=1 << 22)
+    states = [engine.new_state() for _ in range(4)]
+    hist: list[list[int]] = [[] for _ in states]
+    steps: dict[int, list[tuple[int, int, list[int]]]] = {}
+    for step, (req, count, back) in enumerate(plan):
+        step //= 3                                   # about three requests per batch
+        start = max(0, len(hist[req]) - back) if back < 3 else len(hist[req])
+        ids = [rng.randrange(vocab) for _ in range(count)]
+        if large and ids and rng.random() < 0.1:
+            ids[0] = (1 << 21) + rng.randrange(2)
+        batch = steps.setdefault(step, [])
+        if any(r == req for r, _, _ in batch):
+            continue                                 # a request appears once per batch
+        batch.append((req, start, ids))
+        hist[req] = hist[req][:start] + ids
+    for step in sorted(steps):
+        items = steps[step]
+        engine.ingest(IngestBatch([states[r] for r, _, _ in items], [s for _, s, _ in items],
+                                  [len(ids) for _, _, ids in items],
+                                  torch.tensor([s + j for _, s, ids in items for j in range(len(ids))],
+                                               dtype=torch.int64),
+                                  torch.tensor([t for _, _, ids in items for t in ids], dtype=torch.int64)))
+    anchors = [rng.randrange(vocab) for _ in states]
+    got = propose(engine, states, anchors, k).tolist()
+    for h, anchor, row in zip(hist, anchors, got):
+        want = lookup([*h, anchor], k, min_n, min_n + extra)
+        assert row == want + [-1] * (k - len(want))
+    for s in states:
+        engine.release(s)
+    assert engine.pool.free_blocks == engine.pool.num_blocks
