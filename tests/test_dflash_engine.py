@@ -160,6 +160,7 @@ def test_propose_leaves_state_unchanged(ckpt):
     gen = torch.Generator().manual_seed(4)
     req = m.new()
     m.ingest([(req, 0, random_rows(gen, 9))])
+    engine.flush()                     # the ingest's own projection (coalesced: it waits for a propose)
     blocks, kv = list(req.blocks), engine.cache.kv.clone()
     first = m.propose([req], [4], 7)
     m.propose([req], [99], 5)

@@ -254,6 +254,7 @@ def test_health_ready_and_metrics(server, wire):
     (["--curve-secret-key", "x"], "go together"),
     (["--ngram-min", "4", "--ngram-max", "2"], "--ngram-min must be <="),
     (["--host", "0.0.0.0"], "not a loopback address"),
+    (["--ingest-coalesce-rows", "-1"], "outside >= 0"),
 ])
 def test_cli_validation_errors(argv, needle, capsys):
     from k3_accel.server.cli import build_parser, validate

@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device-plane", choices=["auto", "off", "always"], default="auto",
                     help="hidden rows GPU to GPU from targets on this host (CUDA IPC): auto = offered when the "
                          "engine runs on CUDA; always = offered even when it does not (tests of the refusal)")
+    ap.add_argument("--ingest-coalesce-rows", type=_int_in(0), default=1024, metavar="ROWS",
+                    help="dflash/dspark: small ingests of host rows (steps that draft nothing) wait for one "
+                         "projection at the next propose, up to ROWS rows (0: every ingest projects at once)")
     ap.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO",
                     help="log verbosity (stderr)")
     return ap
@@ -190,7 +193,7 @@ def _load_engine(args: argparse.Namespace) -> DraftEngine:
     engine = DSparkEngine if args.engine == "dspark" else DFlashEngine
     return engine(args.draft_model, args.target_model, device=args.device, dtype=args.dtype,
                         max_spec_tokens=args.num_speculative_tokens, block_size=args.block_size,
-                        graph_k=(args.num_speculative_tokens,), **pool)
+                        graph_k=(args.num_speculative_tokens,), coalesce_rows=args.ingest_coalesce_rows, **pool)
 
 
 def serve(args: argparse.Namespace, stop: threading.Event) -> None:

@@ -6,6 +6,11 @@
   forks share full blocks and copy a partial last one (copy on write).
 * Ingest: all new rows of all items in one pass (one host-to-device copy of
   the hidden rows, one fc / norm / K-V projection, one scatter into the pool).
+  Small ingests of host rows (a target's decode steps that draft nothing)
+  are *coalesced*: tables and the copy are done at once, the projection waits
+  (up to ``coalesce_rows`` rows) for the next propose, fork, release, rewind
+  or large ingest, so a target whose speculation is off costs the device one
+  projection per many steps instead of one per step (:meth:`flush`).
 * Propose: every request's query block goes through the layers together;
   attention reads each request's own paged context. Greedy argmax runs on
   the device and only ``[R, k]`` ids come back, unless logits are asked for.
@@ -34,6 +39,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 DEFAULT_CPU_BUDGET = 256 << 20
 DEFAULT_MEMORY_FRACTION = 0.8       # of the GPU memory free once weights are loaded
+DEFAULT_COALESCE_ROWS = 1024        # host rows whose projection may wait for the next propose
 
 
 def _dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -88,10 +94,11 @@ class DFlashEngine(DraftEngine):
     def _build(self, weights: DFlashWeights, *, block_size: int = 16, budget_bytes: int | None = None,
                memory_fraction: float | None = None, max_spec_tokens: int | None = None,
                max_batch: int = 64, kernels: str = "auto", cuda_graphs: bool = True,
-               graph_k: tuple[int, ...] | None = None) -> None:
+               graph_k: tuple[int, ...] | None = None, coalesce_rows: int = DEFAULT_COALESCE_ROWS) -> None:
         """``max_batch``: largest CUDA-graph batch bucket; ``graph_k``: numbers of draft
         tokens captured at start (default: ``max_spec_tokens``; others are captured on
-        first use); ``kernels``: "auto", "triton" or "torch"."""
+        first use); ``kernels``: "auto", "triton" or "torch"; ``coalesce_rows``: rows of
+        small host ingests whose projection may wait (0: every ingest computes at once)."""
         cfg = weights.config
         if max_spec_tokens is not None and max_spec_tokens < 0:
             raise ValueError(f"max_spec_tokens must be >= 0, got {max_spec_tokens}")
@@ -116,6 +123,11 @@ class DFlashEngine(DraftEngine):
         self._stats: dict[str, float] = {"propose_seconds": 0.0, "propose_batch": 0,
                                          "ingest_seconds": 0.0, "ingest_rows": 0}
         self._ingest_events: tuple[Any, Any] | None = None
+        if coalesce_rows < 0:
+            raise ValueError(f"coalesce_rows must be >= 0, got {coalesce_rows}")
+        self.coalesce_rows = coalesce_rows
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []    # (index [2, n], hidden [n, W])
+        self._pending_rows = 0
         self.graphs = None
         if cuda and cuda_graphs and self.ops is not ops_torch:
             from .graphs import GraphRunner
@@ -196,6 +208,7 @@ class DFlashEngine(DraftEngine):
         return state
 
     def fork(self, state: BlockTable, length: int) -> BlockTable:
+        self.flush()                                   # the copy of a partial block reads its rows
         try:
             with self._on_device():
                 new = self.pool.fork(state, length, self.cache.copy_block)
@@ -205,6 +218,7 @@ class DFlashEngine(DraftEngine):
         return new
 
     def release(self, state: BlockTable) -> None:
+        self.flush()                                   # its blocks may be someone else's next
         self.pool.release(state)
 
     def _ensure_positions(self, n: int) -> None:
@@ -230,28 +244,43 @@ class DFlashEngine(DraftEngine):
         rows = int(sum(batch.counts))
         if rows:
             self._ensure_positions(int(batch.positions.max()) + 1)
+        if any(first < s.length for s, first, _ in items):
+            self.flush()                 # a rewind frees or rewrites rows that may still be waiting
         with self._on_device():
             slots = []
             for state, first, n in items:
-                self.pool.extend(state, first, n, self.cache.copy_block)
+                self.pool.extend(state, first, n, self.cache.copy_block)   # copies rows older than a fork
                 self.host_tables.update(state, first // self.pool.block_rows)
                 if n:
                     slots.append(self.cache.slots(state.blocks, first, n))
             if rows:
-                events = self._events()
                 index = np.empty((2, rows), dtype=np.int64)
                 index[0] = batch.positions.numpy()
                 index[1] = np.concatenate(slots)
-                index = torch.from_numpy(index).to(self.device, non_blocking=True)
-                hidden = batch.hidden.to(self.device, non_blocking=True).to(self.dtype)
-                proj = context_projection(self.weights, self.ops, hidden)
-                self.ops.store_context(proj, self.weights.k_norms, self.weights.cos_sin, index[0],
-                                       index[1], self.cache.kv, self.config)
-                if events is not None:
-                    events[1].record(self.stream)
-                    self._ingest_events = events
+                self._pending.append((torch.from_numpy(index).to(self.device, non_blocking=True),
+                                      batch.hidden.to(self.device, non_blocking=True).to(self.dtype)))
+                self._pending_rows += rows
+        if batch.hidden is None or batch.hidden.device.type != "cpu" or \
+                not rows * 4 <= self.coalesce_rows or self._pending_rows >= self.coalesce_rows:
+            self.flush()                 # device rows belong to their ring slot; large ingests go now
         self._stats["ingest_rows"] = rows
         self._stats["ingest_seconds"] = time.perf_counter() - start
+
+    def flush(self) -> None:
+        """Project and store every ingested row still waiting (see the module docstring)."""
+        if not self._pending:
+            return
+        pending, self._pending, self._pending_rows = self._pending, [], 0
+        with self._on_device(), torch.inference_mode():
+            events = self._events()
+            index = pending[0][0] if len(pending) == 1 else torch.cat([i for i, _ in pending], dim=1)
+            hidden = pending[0][1] if len(pending) == 1 else torch.cat([h for _, h in pending])
+            proj = context_projection(self.weights, self.ops, hidden)
+            self.ops.store_context(proj, self.weights.k_norms, self.weights.cos_sin, index[0],
+                                   index[1], self.cache.kv, self.config)
+            if events is not None:
+                events[1].record(self.stream)
+                self._ingest_events = events
 
     def _events(self) -> tuple[Any, Any] | None:
         if self.stream is None:
@@ -300,6 +329,7 @@ class DFlashEngine(DraftEngine):
         r, k = len(batch.states), batch.k
         if r == 0 or k == 0:
             return self._empty(r, k, batch)
+        self.flush()
         self._ensure_positions(max(s.length for s in batch.states) + k + 1)
         anchors = batch.anchors.reshape(-1).cpu()
         tokens = None

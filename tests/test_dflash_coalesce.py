@@ -1,0 +1,141 @@
+"""Coalesced ingest (DFlashEngine): small ingests of host rows wait for one projection, and a
+request drafts exactly what it would had every ingest been projected at once, whatever comes
+between (rewinds, forks with copy on write, releases whose blocks others reuse, proposes)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash_support import Mirror, checkpoint, random_rows, reference
+from k3_accel.server.engines.dflash import DFlashEngine
+from k3_accel.server.engines.dflash import engine as engine_module
+from k3_accel.testing.dflash_reference import DFlashReference
+from k3_accel.testing.precision import check_drafts, check_logits
+
+BUDGET = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return checkpoint(tmp_path_factory.mktemp("dflash-coalesce"))
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt):
+    return DFlashReference(*ckpt)
+
+
+def _engine(ckpt, **kw) -> DFlashEngine:
+    return DFlashEngine(str(ckpt[0]), str(ckpt[1]), budget_bytes=BUDGET, block_size=4, **kw)
+
+
+@pytest.fixture
+def projections(monkeypatch):
+    """How many rows each projection of context rows took, in order."""
+    seen: list[int] = []
+    real = engine_module.context_projection
+
+    def spy(weights, ops, hidden):
+        seen.append(hidden.shape[0])
+        return real(weights, ops, hidden)
+    monkeypatch.setattr(engine_module, "context_projection", spy)
+    return seen
+
+
+def test_small_host_ingests_share_one_projection_and_large_ones_go_at_once(ckpt, projections):
+    engine = _engine(ckpt, coalesce_rows=64)
+    m, gen = Mirror(engine), torch.Generator().manual_seed(1)
+    reqs = [m.new() for _ in range(3)]
+    projections.clear()
+    for step in range(5):                          # decode steps of three requests: nothing projected yet
+        m.ingest([(r, step, random_rows(gen, 1)) for r in reqs])
+    assert projections == []
+    m.propose(reqs, [1, 2, 3], 3)
+    assert projections == [15]                     # one projection of every waiting row
+    m.ingest([(reqs[0], 5, random_rows(gen, 17))])  # a prefill-sized chunk (over a quarter): at once
+    assert projections == [15, 17]
+    for _ in range(22):                            # waiting rows go once they reach coalesce_rows
+        m.ingest([(r, engine.length(r), random_rows(gen, 1)) for r in reqs])
+    assert projections == [15, 17, 66]
+    eager = _engine(ckpt, coalesce_rows=0)
+    e = Mirror(eager)
+    projections.clear()
+    state = e.new()
+    e.ingest([(state, 0, random_rows(gen, 1))])
+    e.ingest([(state, 1, random_rows(gen, 1))])
+    assert projections == [1, 1]
+
+
+@pytest.fixture
+def scatters(monkeypatch):
+    """The slots of every store into the K/V pool, one list per store."""
+    from k3_accel.server.engines.dflash import ops_torch
+    seen: list[list[int]] = []
+    real = ops_torch.store_context
+
+    def spy(kv_proj, k_norms, cos_sin, positions, slots, kv, cfg):
+        seen.append(slots.tolist())
+        return real(kv_proj, k_norms, cos_sin, positions, slots, kv, cfg)
+    monkeypatch.setattr(ops_torch, "store_context", spy)
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_coalesced_engine_drafts_what_the_reference_drafts_through_any_mix(ckpt, ref, scatters, seed):
+    """Besides the drafts: no store writes one slot twice (rows a rewind replaced, or of blocks a
+    release gave to another request, never share a scatter with their successors: on a GPU the
+    order of such writes is undefined)."""
+    rng = random.Random(seed)
+    engine = _engine(ckpt, coalesce_rows=rng.choice([8, 32, 1024]))
+    m, gen = Mirror(engine), torch.Generator().manual_seed(seed)
+    live = [m.new() for _ in range(3)]
+    checked = 0
+    for _ in range(40):
+        op = rng.random()
+        if op < 0.45:                              # decode-like appends, some requests without rows
+            items = [(s, engine.length(s), random_rows(gen, rng.randint(0, 3))) for s in live if rng.random() < 0.8]
+            if items:
+                m.ingest(items)
+        elif op < 0.6 and live:                    # a rewind after rejected drafts, then new rows
+            s = rng.choice(live)
+            m.ingest([(s, max(0, engine.length(s) - rng.randint(1, 3)), random_rows(gen, rng.randint(0, 2)))])
+        elif op < 0.7 and live:                    # a fork at a partial block: its next rows copy it
+            s = rng.choice(live)
+            fork = m.fork(s, rng.randint(0, engine.length(s)))
+            live.append(fork)
+            m.ingest([(fork, engine.length(fork), random_rows(gen, 1)), (s, engine.length(s), random_rows(gen, 1))])
+        elif op < 0.8 and len(live) > 1:           # a release: its blocks go to the next new rows
+            m.release(live.pop(rng.randrange(len(live))))
+            live.append(m.new())
+            m.ingest([(live[-1], 0, random_rows(gen, rng.randint(1, 6)))])
+        else:
+            states = [s for s in live if engine.length(s)]
+            if not states:
+                continue
+            anchors = [rng.randrange(engine.caps.vocab_size) for _ in states]
+            prop = m.propose(states, anchors, 3)
+            for i, (state, anchor) in enumerate(zip(states, anchors)):
+                want = reference(ref, m.rows[state], anchor, 3)
+                check_logits(prop.logits[i], want, torch.float32)
+                check_drafts(prop.tokens[i], want, torch.float32)
+                checked += 1
+    assert checked > 0 and scatters
+    assert all(len(set(slots)) == len(slots) for slots in scatters)
+    for s in list(m.rows):
+        m.release(s)
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+def test_coalesce_rows_must_not_be_negative(ckpt):
+    with pytest.raises(ValueError, match="coalesce_rows"):
+        _engine(ckpt, coalesce_rows=-1)
+
+
+@pytest.mark.parametrize("flag, rows", [([], 1024), (["--ingest-coalesce-rows", "0"], 0)])
+def test_server_flag_sets_the_engines_coalescing(ckpt, flag, rows):
+    from k3_accel.server.cli import build_engine, build_parser
+    args = build_parser().parse_args(["--engine", "dflash", "--draft-model", str(ckpt[0]), "--target-model",
+                                      str(ckpt[1]), "--memory-budget-mb", "1", *flag])
+    assert build_engine(args).coalesce_rows == rows
