@@ -87,13 +87,14 @@ def _free_port() -> int:
 
 
 def start_server(target: str, draft: str, control: Path, log: Path, shape: str = "qwen3-8b",
-                 device: str = "cuda") -> tuple[subprocess.Popen, str]:
+                 device: str = "cuda", extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     from k3_accel.demo.server import http_status
     port, http = _free_port(), _free_port()
     cmd = [sys.executable, str(HERE / "oracle_server.py"), "--oracle-control", str(control),
            "--random-draft", shape, "--draft-model", draft, "--target-model", target,
            "--device", device, "--dtype", "bfloat16" if device == "cuda" else "float32", "--num-speculative-tokens", str(K),
-           "--memory-budget-mb", "8192", "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http)]
+           "--memory-budget-mb", "8192", "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http),
+           *extra]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     SPARE.add(proc.pid)
     deadline = time.monotonic() + 300
@@ -370,6 +371,7 @@ def main() -> int:
     ap.add_argument("--plugin", default="{}",
                     help='more additional_config["k3_accel"] keys as JSON, e.g. \'{"adaptive": "off"}\' for a fixed K')
     ap.add_argument("--variants", default="fixed,adaptive", help="comma-separated, of: " + ", ".join(VARIANTS))
+    ap.add_argument("--server-args", default="", help='more k3-draft-server flags: --server-args="--ingest-coalesce-rows 0"')
     ap.add_argument("--adaptive-out", default=None, help="issue 24's adaptive-h200.json")
     ap.add_argument("--shape", choices=["qwen3-8b", "tiny"], default="qwen3-8b", help="tiny: CPU smoke run")
     args = ap.parse_args()
@@ -404,7 +406,7 @@ def main() -> int:
     control = work / "control.json"
     control.write_text(json.dumps({"length": 1.0, "record": str(work / "record-1.json")}))
     server, address = start_server(target, draft, control, work / "oracle-server.log", args.shape,
-                                   "cuda" if torch.cuda.is_available() else "cpu")
+                                   "cuda" if torch.cuda.is_available() else "cpu", tuple(args.server_args.split()))
     try:
         for name in args.variants.split(","):
             try:

@@ -30,7 +30,8 @@ def oracle_loader(control: str, random_draft: str | None):
         pool = {"budget_bytes": budget} if budget is not None else (
             {"memory_fraction": args.gpu_memory_fraction} if args.device.startswith("cuda") else {})
         options = dict(control=control, max_spec_tokens=args.num_speculative_tokens,
-                       block_size=args.block_size, graph_k=(args.num_speculative_tokens,), **pool)
+                       block_size=args.block_size, graph_k=(args.num_speculative_tokens,),
+                       coalesce_rows=args.ingest_coalesce_rows, **pool)
         if random_draft:
             import torch
             from draft_step import config, random_weights
