@@ -70,25 +70,29 @@ def test_small_host_ingests_share_one_projection_and_large_ones_go_at_once(ckpt,
 
 @pytest.fixture
 def scatters(monkeypatch):
-    """The slots of every store into the K/V pool, one list per store."""
-    from k3_accel.server.engines.dflash import ops_torch
+    """Install on an engine: the slots of every store into its K/V pool, one list per store."""
     seen: list[list[int]] = []
-    real = ops_torch.store_context
 
-    def spy(kv_proj, k_norms, cos_sin, positions, slots, kv, cfg):
-        seen.append(slots.tolist())
-        return real(kv_proj, k_norms, cos_sin, positions, slots, kv, cfg)
-    monkeypatch.setattr(ops_torch, "store_context", spy)
-    return seen
+    def install(engine: DFlashEngine) -> list[list[int]]:
+        real = engine.ops.store_context
+
+        def spy(kv_proj, k_norms, cos_sin, positions, slots, kv, cfg):
+            seen.append(slots.tolist())
+            return real(kv_proj, k_norms, cos_sin, positions, slots, kv, cfg)
+        monkeypatch.setattr(engine.ops, "store_context", spy)
+        return seen
+    return install
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("seed", range(6))
-def test_coalesced_engine_drafts_what_the_reference_drafts_through_any_mix(ckpt, ref, scatters, seed):
+def test_coalesced_engine_drafts_what_the_reference_drafts_through_any_mix(ckpt, ref, scatters, seed, device):
     """Besides the drafts: no store writes one slot twice (rows a rewind replaced, or of blocks a
     release gave to another request, never share a scatter with their successors: on a GPU the
-    order of such writes is undefined)."""
+    order of such writes is undefined). On CUDA: bf16 and the kernels `auto` picks there."""
     rng = random.Random(seed)
-    engine = _engine(ckpt, coalesce_rows=rng.choice([8, 32, 1024]))
+    engine = _engine(ckpt, coalesce_rows=rng.choice([8, 32, 1024]), device=device)
+    stores = scatters(engine)
     m, gen = Mirror(engine), torch.Generator().manual_seed(seed)
     live = [m.new() for _ in range(3)]
     checked = 0
@@ -118,11 +122,11 @@ def test_coalesced_engine_drafts_what_the_reference_drafts_through_any_mix(ckpt,
             prop = m.propose(states, anchors, 3)
             for i, (state, anchor) in enumerate(zip(states, anchors)):
                 want = reference(ref, m.rows[state], anchor, 3)
-                check_logits(prop.logits[i], want, torch.float32)
-                check_drafts(prop.tokens[i], want, torch.float32)
+                check_logits(prop.logits[i], want, engine.dtype)
+                check_drafts(prop.tokens[i], want, engine.dtype)
                 checked += 1
-    assert checked > 0 and scatters
-    assert all(len(set(slots)) == len(slots) for slots in scatters)
+    assert checked > 0 and stores
+    assert all(len(set(slots)) == len(slots) for slots in stores)
     for s in list(m.rows):
         m.release(s)
     assert engine.pool.free_blocks == engine.pool.num_blocks
