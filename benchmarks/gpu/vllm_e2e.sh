@@ -1,11 +1,12 @@
 #!/bin/bash
 # On the H200 (image: Python 3.12, torch 2.11 cu130, no package index), from the repository root:
-#   bash benchmarks/gpu/vllm_e2e.sh PIECE_DIR [install] [gputest] [tiny] [p6]   (default: all)
+#   bash benchmarks/gpu/vllm_e2e.sh PIECE_DIR [install] [gputest] [coalesce] [tiny] [p6]   (default: all but coalesce)
 # PIECE_DIR is the last piece's folder (carried with this call); the earlier pieces were copied
 # to ~/stash by back-to-back calls (benchmarks/gpu/README.md). install: reassemble, check the
 # sha256, pip install --no-deps into /tmp/vsite, register k3-accel's vLLM entry point (vLLM finds
 # general plugins through installed distributions; the code itself runs from src/), and check
-# that vLLM and its stable-ABI libraries load. gputest: the oracle engine's GPU test. tiny: benchmarks/vllm_e2e_tiny.py. p6:
+# that vLLM and its stable-ABI libraries load. gputest: the GPU tests of the oracle engine, the fence and coalesced ingest.
+# coalesce: benchmarks/coalesce.py (the server's engine alone, no vLLM). tiny: benchmarks/vllm_e2e_tiny.py. p6:
 # benchmarks/e2e_p6.py. Results and logs go to $OUT (default /tmp/vllm-e2e).
 set -x
 OUT=${OUT:-/tmp/vllm-e2e}
@@ -61,6 +62,9 @@ for phase in $phases; do
           python3 -c "import json,sys; d=json.load(open('$OUT/vllm-e2e-h200.json')); print(json.dumps(d['summary'])); [print(k, json.dumps({x: v.get(x) for x in ('identical_outputs','accepted_per_position','mean_acceptance_length','server_ops_after_engine_start','killed_round','syncs_total','syncs_with_plugin_frames','plugin_sync_sites','memory_by_round','rounds_differing','error')})) for k, v in d['methods'].items()]" ;;
     gputest) timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_oracle_engine.py tests/test_v2_gpu_fence.py tests/test_dflash_coalesce.py \
             > "$OUT/gputest.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gputest.log" ;;
+    coalesce) timeout 300 python3 benchmarks/coalesce.py --out "$OUT/coalesce-h200.json" > "$OUT/coalesce.log" 2>&1
+        r=$?; echo "coalesce rc=$r"; [ $r -ne 0 ] && rc=$r
+        python3 -c "import json; d=json.load(open('$OUT/coalesce-h200.json')); print(json.dumps(d['summary'])); [print(json.dumps(t)) for t in d['table']]" ;;
     p6) PYTHONPATH=$PWD/benchmarks/gpu/stacks:$PYTHONPATH timeout ${P6_TIMEOUT:-$((deadline - SECONDS))} python3 benchmarks/e2e_p6.py --plugin "${P6_PLUGIN:-{\}}" --variants "${P6_VARIANTS:-fixed,adaptive}" --server-args="${P6_SERVER_ARGS:-}" \
           --out "$OUT/e2e-h200.json" --adaptive-out "$OUT/adaptive-h200.json" > "$OUT/p6.log" 2>&1
         r=$?; echo "p6 rc=$r"; [ $r -ne 0 ] && rc=$r
