@@ -59,9 +59,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of the first maximum of each row of ``x [N, V]`` (int64)."""
-    return x.argmax(dim=-1)
+def argmax(x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """Index of the first maximum of each row of ``x [N, V]`` (int64), or of ``x + add``."""
+    return (x if add is None else x + add).argmax(dim=-1)
 
 
 def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, ctx_lens: torch.Tensor,

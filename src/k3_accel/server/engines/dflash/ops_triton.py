@@ -179,11 +179,16 @@ def store_context(kv_proj: torch.Tensor, k_norms: torch.Tensor, cos_sin: torch.T
 # ------------------------------------------------------------------ argmax ---
 
 @triton.jit
-def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, n_cols, x_stride, n_chunks, BLOCK: tl.constexpr):
+def _argmax_chunks_kernel(x_ptr, y_ptr, val_ptr, idx_ptr, n_cols, x_stride, y_stride, n_chunks,
+                          BLOCK: tl.constexpr, HAS_Y: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * x_stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=cols < n_cols, other=float("-inf"))
+    if HAS_Y:   # x + y rounded to x's dtype, as the sum PyTorch would have stored
+        y = tl.load(y_ptr + row * y_stride + cols, mask=cols < n_cols, other=0.0)
+        x = (x.to(tl.float32) + y.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    x = x.to(tl.float32)
     best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + row * n_chunks + chunk, best)
     tl.store(idx_ptr + row * n_chunks + chunk, chunk * BLOCK + where)
@@ -198,9 +203,10 @@ def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS_P2: tl.const
     tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + first).to(tl.int64))
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of the first maximum of each row of ``x [N, V]`` (int64), in two passes:
-    per-chunk maxima over the whole device, then one small pass per row."""
+def argmax(x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """Index of the first maximum of each row of ``x [N, V]`` (int64), or of ``x + add`` (same
+    shape and dtype, never stored: each element is rounded to the dtype as the stored sum would
+    be), in two passes: per-chunk maxima over the whole device, then one small pass per row."""
     n, cols = x.shape
     out = torch.empty(n, dtype=torch.int64, device=x.device)
     if n:
@@ -208,8 +214,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         chunks = triton.cdiv(cols, block)
         vals = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
         idx = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
-        _argmax_chunks_kernel[(n, chunks)](x, vals, idx, cols, x.stride(0), chunks, BLOCK=block,
-                                           num_warps=8)
+        y = x if add is None else add
+        _argmax_chunks_kernel[(n, chunks)](x, y, vals, idx, cols, x.stride(0), y.stride(0), chunks,
+                                           BLOCK=block, HAS_Y=add is not None, num_warps=8)
         _argmax_rows_kernel[(n,)](vals, idx, out, chunks,
                                   CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=1)
     return out
