@@ -50,7 +50,9 @@ def kernels(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
         assert torch.equal(ops_triton.argmax(logits), ops_torch.argmax(logits)), "argmax"
         assert int(ops_triton.argmax(logits)[1]) == 17
         base, add = rnd(6, 3, cols), rnd(6, cols)           # DSpark's greedy Markov step: base[:, i] + bias
-        assert torch.equal(ops_triton.argmax(base[:, 1], add), ops_torch.argmax(base[:, 1], add)), "argmax of a sum"
+        for scale in (1.0, 0.37):
+            assert torch.equal(ops_triton.argmax(base[:, 1], add, scale), ops_torch.argmax(base[:, 1], add, scale)), \
+                "argmax of a sum"
     # the sum is rounded as the stored one would be: 1 + 2**-9 is 1 in bfloat16, a tie the first index wins
     base = torch.full((1, 3, 40), -4.0, dtype=torch.bfloat16, device=device)
     add = torch.zeros(1, 40, dtype=torch.bfloat16, device=device)
@@ -58,6 +60,10 @@ def kernels(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
     add[0, 30] = 2.0 ** -9
     assert int(ops_torch.argmax(base[:, 2], add)) == 5 and int(ops_triton.argmax(base[:, 2], add)) == 5, \
         "argmax of a bfloat16 sum"
+    add[0, 30] = 2.0 ** -6                                   # 1 + 2**-6 wins, 1 + 2**-6 x 0.25 rounds to 1
+    assert int(ops_torch.argmax(base[:, 2], add)) == 30 and int(ops_triton.argmax(base[:, 2], add)) == 30
+    assert int(ops_torch.argmax(base[:, 2], add, 0.25)) == 5 and int(ops_triton.argmax(base[:, 2], add, 0.25)) == 5, \
+        "argmax of a scaled bfloat16 sum"
     if device == "cpu":     # seeded Gumbel-max: the interpreter computes as PyTorch does (CUDA: test_dspark_gpu)
         logits = torch.randn(6, 3000, generator=gen) * 3
         temps = torch.tensor([0.0, 0.7, 1.3, 2.0, 0.0, 1.0])

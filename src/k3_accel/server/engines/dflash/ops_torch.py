@@ -59,9 +59,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def argmax(x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-    """Index of the first maximum of each row of ``x [N, V]`` (int64), or of ``x + add``."""
-    return (x if add is None else x + add).argmax(dim=-1)
+def argmax(x: torch.Tensor, add: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """Index of the first maximum of each row of ``x [N, V]`` (int64), or of ``x + add * scale``."""
+    if add is not None:
+        x = x + (add * scale if scale != 1.0 else add)
+    return x.argmax(dim=-1)
 
 
 def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, ctx_lens: torch.Tensor,

@@ -179,14 +179,16 @@ def store_context(kv_proj: torch.Tensor, k_norms: torch.Tensor, cos_sin: torch.T
 # ------------------------------------------------------------------ argmax ---
 
 @triton.jit
-def _argmax_chunks_kernel(x_ptr, y_ptr, val_ptr, idx_ptr, n_cols, x_stride, y_stride, n_chunks,
-                          BLOCK: tl.constexpr, HAS_Y: tl.constexpr):
+def _argmax_chunks_kernel(x_ptr, y_ptr, val_ptr, idx_ptr, n_cols, x_stride, y_stride, n_chunks, scale,
+                          BLOCK: tl.constexpr, HAS_Y: tl.constexpr, SCALED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * x_stride + cols, mask=cols < n_cols, other=float("-inf"))
-    if HAS_Y:   # x + y rounded to x's dtype, as the sum PyTorch would have stored
+    if HAS_Y:   # x + y * scale, each result rounded to x's dtype as PyTorch would have stored it
         y = tl.load(y_ptr + row * y_stride + cols, mask=cols < n_cols, other=0.0)
+        if SCALED:
+            y = (y.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
         x = (x.to(tl.float32) + y.to(tl.float32)).to(x_ptr.dtype.element_ty)
     x = x.to(tl.float32)
     best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
@@ -203,10 +205,11 @@ def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS_P2: tl.const
     tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + first).to(tl.int64))
 
 
-def argmax(x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-    """Index of the first maximum of each row of ``x [N, V]`` (int64), or of ``x + add`` (same
-    shape and dtype, never stored: each element is rounded to the dtype as the stored sum would
-    be), in two passes: per-chunk maxima over the whole device, then one small pass per row."""
+def argmax(x: torch.Tensor, add: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """Index of the first maximum of each row of ``x [N, V]`` (int64), or of ``x + add * scale``
+    (``add``: same shape and dtype; nothing stored: each product and sum is rounded to the dtype as
+    the stored one would be), in two passes: per-chunk maxima over the whole device, then one small
+    pass per row."""
     n, cols = x.shape
     out = torch.empty(n, dtype=torch.int64, device=x.device)
     if n:
@@ -216,7 +219,8 @@ def argmax(x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         idx = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
         y = x if add is None else add
         _argmax_chunks_kernel[(n, chunks)](x, y, vals, idx, cols, x.stride(0), y.stride(0), chunks,
-                                           BLOCK=block, HAS_Y=add is not None, num_warps=8)
+                                           float(scale), BLOCK=block, HAS_Y=add is not None,
+                                           SCALED=scale != 1.0, num_warps=8)
         _argmax_rows_kernel[(n,)](vals, idx, out, chunks,
                                   CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=1)
     return out
