@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_support import Mirror, checkpoint, random_rows, reference
+from k3_accel.server.engines.base import IngestBatch
 from k3_accel.server.engines.dflash import DFlashEngine
 from k3_accel.server.engines.dflash import engine as engine_module
 from k3_accel.testing.dflash_reference import DFlashReference
@@ -130,6 +131,33 @@ def test_coalesced_engine_drafts_what_the_reference_drafts_through_any_mix(ckpt,
     for s in list(m.rows):
         m.release(s)
     assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.gpu
+def test_rows_read_over_the_device_plane_are_projected_before_their_slot_is_reused(ckpt, ref, projections):
+    """Device-plane rows live in the target's ring slot, which the target refills once the server
+    released it: they are projected in their own ingest, never left waiting, so scribbling over the
+    slot afterwards changes no draft (host rows of the same size do wait)."""
+    engine = _engine(ckpt, device="cuda", coalesce_rows=1024)
+    m, gen = Mirror(engine), torch.Generator().manual_seed(7)
+    states = [m.new() for _ in range(3)]
+    projections.clear()                                               # the start-up's warm ingests
+    m.ingest([(s, 0, random_rows(gen, 5)) for s in states])          # host rows: they wait
+    assert projections == []
+    sent = torch.cat([random_rows(gen, 2) for _ in states])
+    slot = sent.to(device="cuda", dtype=engine.dtype)                 # the ring slot the server reads
+    engine.ingest(IngestBatch(states, [5] * 3, [2] * 3, torch.tensor([5, 6] * 3), torch.zeros(6, dtype=torch.long),
+                              slot))
+    assert projections == [21]                                        # the waiting rows and these, at once
+    for i, s in enumerate(states):
+        m.rows[s] = torch.cat([m.rows[s], sent[2 * i:2 * i + 2]])
+    slot.fill_(float("nan"))                                          # the target reuses the slot
+    anchors = [1, 2, 3]
+    prop = m.propose(states, anchors, 3)
+    for i, (state, anchor) in enumerate(zip(states, anchors)):
+        want = reference(ref, m.rows[state], anchor, 3)
+        check_logits(prop.logits[i], want, engine.dtype)
+        check_drafts(prop.tokens[i], want, engine.dtype)
 
 
 def test_coalesce_rows_must_not_be_negative(ckpt):
