@@ -151,6 +151,7 @@ def test_rows_read_over_the_device_plane_are_projected_before_their_slot_is_reus
     assert projections == [21]                                        # the waiting rows and these, at once
     for i, s in enumerate(states):
         m.rows[s] = torch.cat([m.rows[s], sent[2 * i:2 * i + 2]])
+    torch.cuda.synchronize()                                          # the server's release event
     slot.fill_(float("nan"))                                          # the target reuses the slot
     anchors = [1, 2, 3]
     prop = m.propose(states, anchors, 3)

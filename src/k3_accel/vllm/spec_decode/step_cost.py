@@ -99,6 +99,7 @@ class StepCost:
             return {False: (0.0, 0.0), True: (0.0, 0.0)}
         xs = {k: np.asarray(self.x[k]) for k in kinds}
         ys = {k: np.asarray(self.y[k]) for k in kinds}
+        x, y = np.concatenate(list(xs.values())), np.concatenate(list(ys.values()))   # every period
         slopes = []
         for k in kinds:
             i, j = _pairs(len(xs[k]))
@@ -111,13 +112,11 @@ class StepCost:
         elif self._slope is not None:          # steps all of one size now: what a token cost when
             b = self._slope                    # sizes last differed (at B = 1, 1/8 of a whole step
         else:                                  # made 7 drafts cost 5 ms on the H200's 8B target)
-            x, y = np.concatenate(list(xs.values())), np.concatenate(list(ys.values()))
             b = max(_median(y) / max(_median(x), 1.0) / 8, 0.0)
         own = [k for k in kinds if len(xs[k]) >= self.min_steps]
         if own:
             lines = {k: (max(_median(ys[k] - b * xs[k]), 0.0), b) for k in own}
         else:                                  # too few of either kind: one intercept from all of them
-            x, y = np.concatenate(list(xs.values())), np.concatenate(list(ys.values()))
             lines = {False: (max(_median(y - b * x), 0.0), b)}
         first = next(iter(lines.values()))
         return {k: lines.get(k, first) for k in (False, True)}
