@@ -117,6 +117,15 @@ def main() -> None:
                               "eager_ms": eager_ms, "floor_ms": 1e3 * floor, "ratio": worst / (1e3 * floor),
                               # not in the floor: markov_w2 read again at each of the K - 1 later steps
                               "markov_rereads_ms": 1e3 * (k - 1) * w2 / bw["copy"]})
+                # diagnosis, not the ratio: the replay alone on the device (propose_ms minus this is the
+                # host's share) and the matrix FLOPs at the measured matmul rate (where compute, not bytes, binds)
+                flops = parts.propose_flops(cfg, b, k - 1, c) + 2 * b * cfg.hidden_size * cfg.vocab_size  # K query rows
+                table[-1]["flop_ms"] = 1e3 * flops / bw["matmul_flops"]
+                graph = engine.graphs and engine.graphs.graphs.get(
+                    (next(x for x in engine.graphs.buckets if x >= b), k))
+                if graph and cuda:
+                    with torch.cuda.stream(engine.stream):
+                        table[-1]["graph_device_ms"] = parts._events_ms(graph.graph.replay, iters)
                 print(table[-1], flush=True)
                 if args.out:                   # what a run cut short by its time limit still leaves
                     Path(args.out + ".partial").write_text(json.dumps(table, indent=1) + "\n")
