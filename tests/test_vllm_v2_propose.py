@@ -121,6 +121,20 @@ def test_dummy_and_profile_runs_send_nothing(speculator, sim):
     assert speculator.stats()["adapter"]["dummy_runs"] == 3
 
 
+def test_the_step_threads_host_time_is_one_phase_per_real_step(speculator, sim):
+    """What the plugin adds to vLLM's step thread: every real propose call (an off step's too) is one
+    ``v2.propose`` in the driver's phases; dummy and profile runs are not counted."""
+    a = [5, 6, 7, 5, 6]
+    sim.add("a", a)
+    sim.dummy_propose(speculator, num_reqs=2, num_tokens=16)
+    sim.propose(speculator, [Sched("a", 0, a, sampled=7)], k=0)
+    sim.propose(speculator, [Sched("a", 5, [7], sampled=5)], k=0)
+    sim.propose(speculator, [Sched("a", 6, [5], sampled=6)])
+    phase = client_stats(speculator)["phases"].get("v2.propose")
+    assert phase is not None and phase["count"] == 3, phase
+    assert phase["mean_ms"] > 0
+
+
 # ------------------------------------------------------- max_tokens <= 1
 def test_a_batch_of_max_tokens_one_requests_does_no_remote_work(speculator, sim):
     sim.add("one", [1, 2, 3, 4], max_tokens=1)

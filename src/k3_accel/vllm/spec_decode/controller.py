@@ -44,7 +44,7 @@ from k3_accel.vllm.spec_decode.step_cost import StepCost
 
 PROBE_BACKOFF = 4                   # while off, probes back off to at most this x probe_interval
 HOLD_MARGIN = 3                     # steps the step thread may run ahead of the draft thread
-TRACE_STEPS = 64                    # steps kept in ``snapshot()["recent"]``
+TRACE_STEPS = 256                   # steps kept in ``snapshot()["recent"]``
 TRACE_FIELDS = ("rows", "period_ms", "period_fitted", "sampling", "drafts", "max_k", "off", "held", "probe",
                 "wait_ms")
 

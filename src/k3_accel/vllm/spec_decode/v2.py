@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import weakref
 from typing import Any, Sequence
 
@@ -203,6 +204,7 @@ class RemoteSpeculatorMixin:
         if dummy_run or is_profile:          # profiling, graph capture: never the network
             self.core.counters["dummy_runs"] += 1
             return out
+        start = time.perf_counter()
         k = self.num_speculative_steps if num_speculative_tokens is None else \
             max(0, min(int(num_speculative_tokens), self.num_speculative_steps))
         req_ids = input_batch.req_ids[:r]
@@ -222,7 +224,16 @@ class RemoteSpeculatorMixin:
                             None if self._server_confidence is None else self._server_confidence[:r, :k])
             if self.fill_missing_drafts:
                 fill_missing(out[:, :k], input_batch, last_sampled, self.vocab_size)
+        self._host_time(time.perf_counter() - start)
         return out
+
+    def _host_time(self, seconds: float) -> None:
+        """The driver's phase ``v2.propose``: the host time of this call on vLLM's step thread (what
+        the plugin adds to it per step, off steps included)."""
+        pipeline = getattr(self.core.session, "pipeline", None)
+        telemetry = getattr(getattr(pipeline, "client", None), "telemetry", None)
+        if telemetry is not None:
+            telemetry.add("v2.propose", seconds)
 
     def _ship(self, plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
               k: int, held: bool = False) -> int | None:
