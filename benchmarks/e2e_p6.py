@@ -269,7 +269,10 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
         for key in env:
             os.environ.pop(key, None)
     out = doc["variants"].setdefault(name, {"speculative_config": spec_extra, "plugin": plugin})
-    out["switch_interval_s"] = llm.collective_rpc(_switch_interval)[0]   # where the variant's env took
+    try:                                   # where the variant's environment took
+        out["switch_interval_s"] = llm.collective_rpc(_switch_interval)[0]
+    except Exception as exc:  # noqa: BLE001 - a diagnosis only
+        out["switch_interval_s"] = f"{type(exc).__name__}: {exc}"[:200]
     try:
         generate(llm, warm, 16)
         for length in LENGTHS:
