@@ -209,12 +209,6 @@ def generate(llm, prompts: list[list[int]], tokens: int) -> tuple[float, list[li
     return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _switch_interval(worker) -> float:
-    """The worker process's GIL switch interval (collective_rpc)."""
-    del worker
-    return sys.getswitchinterval()
-
-
 def make_llm(target: str, args, **extra):
     from vllm import LLM
     llm = LLM(model=target, load_format="dummy", skip_tokenizer_init=True,
@@ -247,32 +241,17 @@ VARIANTS = {"fixed": ({}, {"adaptive": False}),
             "adaptive-av": ({"enable_adaptive_verification": True}, {"adaptive": True}),
             "adaptive-av-nogate": ({"enable_adaptive_verification": True}, {"adaptive": True, "adaptive_gate": "off"}),
             "adaptive-gate": ({}, {"adaptive": True, "adaptive_gate": "on"}),
-            "adaptive-gate-av": ({"enable_adaptive_verification": True}, {"adaptive": True, "adaptive_gate": "on"}),
-            "adaptive-av-si": ({"enable_adaptive_verification": True}, {"adaptive": True})}
-# diagnosis only: the environment a variant's engine core starts with (benchmarks/gpu/stacks/sitecustomize.py
-# reads it). adaptive-av-si: adaptive-av with Python's GIL switch interval at 0.5 ms instead of 5 ms, to see
-# whether the draft thread's Python delays vLLM's host thread
-VARIANT_ENV = {"adaptive-av-si": {"K3_BENCH_SWITCH_INTERVAL_S": "0.0005"}}
+            "adaptive-gate-av": ({"enable_adaptive_verification": True}, {"adaptive": True, "adaptive_gate": "on"})}
 
 
 def run_variant(name: str, doc: dict, target: str, draft: str, address: str, control: Path,
                 prompts: dict, warm: list, work: Path, args) -> None:
     spec_extra, plugin = VARIANTS[name]
-    env = VARIANT_ENV.get(name, {})
-    os.environ.update(env)                 # the engine core inherits it when it starts
-    try:
-        llm = make_llm(target, args, speculative_config={"method": "dflash", "model": draft,
-                                                         "num_speculative_tokens": K, **spec_extra},
-                       additional_config={"k3_accel": {"draft_address": address, **plugin,
-                                                       **json.loads(args.plugin)}})
-    finally:
-        for key in env:
-            os.environ.pop(key, None)
+    llm = make_llm(target, args, speculative_config={"method": "dflash", "model": draft,
+                                                     "num_speculative_tokens": K, **spec_extra},
+                   additional_config={"k3_accel": {"draft_address": address, **plugin,
+                                                   **json.loads(args.plugin)}})
     out = doc["variants"].setdefault(name, {"speculative_config": spec_extra, "plugin": plugin})
-    try:                                   # where the variant's environment took
-        out["switch_interval_s"] = llm.collective_rpc(_switch_interval)[0]
-    except Exception as exc:  # noqa: BLE001 - a diagnosis only
-        out["switch_interval_s"] = f"{type(exc).__name__}: {exc}"[:200]
     try:
         generate(llm, warm, 16)
         for length in LENGTHS:
