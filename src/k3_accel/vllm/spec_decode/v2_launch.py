@@ -153,6 +153,9 @@ class DeviceRows:
         self.hidden = torch.empty((capacity + 1, width), dtype=dtype, device=device) if width else None
         self.meta = torch.empty((META_ROWS, max_reqs), dtype=torch.int64, device=device)
         self.rows = torch.arange(capacity, dtype=torch.int64, device=device)
+        self.excl = torch.empty(max_reqs, dtype=torch.int64, device=device)   # each request's first compacted row
+        self.dst = torch.empty(capacity, dtype=torch.int64, device=device)    # where each row of the step went
+        self.scatter = _scatter_for(device)
         self.device = device
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
@@ -160,8 +163,8 @@ class DeviceRows:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.token_ids, self.hidden, self.meta, self.rows)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.token_ids, self.hidden, self.meta, self.rows,
+                                                           self.excl, self.dst) if t is not None)
 
 
 @dataclass
@@ -255,37 +258,21 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
     try:
         kept = np.zeros(r, dtype=np.int64)
         kept[keep] = 1
-        qsl = input_batch.query_start_loc[: r + 1].to(torch.int64)
         slot_idx = input_batch.idx_mapping[:r]
-        ran = qsl[1:] - qsl[:-1]          # rows the target ran: 1 + the drafts it verified, when decoding
-        valid = (ran - num_rejected[:r].to(torch.int64)) * _to_device(kept, dev)
-        meta = rows.meta[:, :r]
-        meta[0].copy_(valid)
-        meta[6].copy_(ran)
-        torch.gt(num_sampled[:r], 0, out=meta[1])
         last = last_sampled.reshape(-1) if last_sampled.dim() > 1 else last_sampled
         nxt = next_prefill_tokens[0] if next_prefill_tokens.dim() > 1 else next_prefill_tokens
-        torch.where(meta[1] > 0, last.index_select(0, slot_idx).to(torch.int64),
-                    nxt.index_select(0, slot_idx).to(torch.int64), out=meta[2])
         positions = input_batch.positions[0] if input_batch.positions.dim() == 2 else input_batch.positions
-        meta[3].copy_(positions.index_select(0, qsl[:-1]))
+        dst = rows.scatter(rows, r, n, input_batch.query_start_loc[: r + 1], num_rejected[:r], _to_device(kept, dev),
+                           num_sampled[:r], last, nxt, slot_idx, positions, input_batch.input_ids[:n])
         if sampling is not None:
             temperature, seeds = sampling
-            meta[4].copy_(temperature.index_select(0, slot_idx).to(torch.float32).view(torch.int32))
-            meta[5].copy_(seeds.index_select(0, slot_idx))
-        if n:
-            at = rows.rows[:n]
-            req = torch.searchsorted(qsl[1:], at, right=True).clamp_(max=r - 1)
-            offset = at - qsl.index_select(0, req)
-            excl = torch.cumsum(valid, 0) - valid
-            keep_row = (offset < valid.index_select(0, req)) & (at < qsl[r])
-            dst = torch.where(keep_row, excl.index_select(0, req) + offset, torch.full_like(offset, rows.capacity))
-            rows.token_ids.index_copy_(0, dst, input_batch.input_ids[:n].to(torch.int64))
-            width = 0
-            for h in aux or ():
-                hw = h.shape[-1]
-                rows.hidden[:, width:width + hw].index_copy_(0, dst, h[:n])
-                width += hw
+            rows.meta[4, :r].copy_(temperature.index_select(0, slot_idx).to(torch.float32).view(torch.int32))
+            rows.meta[5, :r].copy_(seeds.index_select(0, slot_idx))
+        width = 0
+        for h in (aux or ()) if n else ():
+            hw = h.shape[-1]
+            rows.hidden[:, width:width + hw].index_copy_(0, dst, h[:n])
+            width += hw
         prompt_rows = {}
         if prompts and all_token_ids is not None:
             for rid, (i, count) in prompts.items():
@@ -301,6 +288,44 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
     except BaseException:
         slots.release(slot)
         raise
+
+
+def scatter_torch(rows: "DeviceRows", r: int, n: int, qsl: torch.Tensor, num_rejected: torch.Tensor,
+                  kept: torch.Tensor, num_sampled: torch.Tensor, last: torch.Tensor, nxt: torch.Tensor,
+                  slot_idx: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Meta rows 0 (valid rows), 1 (sampled), 2 (anchor), 3 (first position), 6 (rows run) of the ``r``
+    requests and the kept rows' token ids, compacted request after request; returns where each of the
+    ``n`` rows went (``rows.capacity``: the dump row). ``qsl``: the device's ``query_start_loc[:r+1]``;
+    ``last`` / ``nxt``: by slot. :func:`.launch_triton.scatter` does the same in two kernels."""
+    qsl = qsl.to(torch.int64)
+    ran = qsl[1:] - qsl[:-1]          # rows the target ran: 1 + the drafts it verified, when decoding
+    valid = (ran - num_rejected.to(torch.int64)) * kept
+    meta = rows.meta[:, :r]
+    meta[0].copy_(valid)
+    meta[6].copy_(ran)
+    torch.gt(num_sampled, 0, out=meta[1])
+    torch.where(meta[1] > 0, last.index_select(0, slot_idx).to(torch.int64),
+                nxt.index_select(0, slot_idx).to(torch.int64), out=meta[2])
+    meta[3].copy_(positions.index_select(0, qsl[:-1]))
+    at = rows.rows[:n]
+    req = torch.searchsorted(qsl[1:], at, right=True).clamp_(max=r - 1)
+    offset = at - qsl.index_select(0, req)
+    excl = torch.cumsum(valid, 0) - valid
+    keep_row = (offset < valid.index_select(0, req)) & (at < qsl[r])
+    dst = torch.where(keep_row, excl.index_select(0, req) + offset, torch.full_like(offset, rows.capacity))
+    rows.token_ids.index_copy_(0, dst, input_ids.to(torch.int64))
+    return dst
+
+
+def _scatter_for(device: torch.device):
+    """The launch's scatter: two Triton kernels on CUDA (vLLM's GPU image has Triton), else torch."""
+    if device.type == "cuda":
+        try:
+            from . import launch_triton
+            return launch_triton.scatter
+        except ImportError:
+            pass
+    return scatter_torch
 
 
 def _to_device(host: np.ndarray, dev: torch.device) -> torch.Tensor:
@@ -330,4 +355,4 @@ def _copy_out(rows: DeviceRows, slots: LaunchSlots, slot: int, r: int, n: int, c
     return done
 
 
-__all__ = ["DeviceRows", "Launch", "LaunchSlots", "launch", "samples_host"]
+__all__ = ["DeviceRows", "Launch", "LaunchSlots", "launch", "samples_host", "scatter_torch"]
