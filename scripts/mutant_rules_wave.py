@@ -78,4 +78,17 @@ WAVE_MUTANTS = (
            "        x = x.to(tl.float32) + y.to(tl.float32)", ("tests/test_dflash_precision.py",)),
     Mutant("ngram-batch-rows-shared", "each request of an n-gram batch ingests its own rows",
            "server/engines/ngram.py", "            at += count\n", "", ("tests/test_ngram.py",)),
+    # ------------------------------------------------------------- the V2 launch kernels (eleventh session)
+    Mutant("launch-offsets-inclusive", "a request's compacted rows start after the earlier requests' valid rows",
+           "vllm/spec_decode/launch_triton.py", "tl.store(excl_ptr + j, tl.cumsum(valid, 0) - valid, mask=ok)",
+           "tl.store(excl_ptr + j, tl.cumsum(valid, 0), mask=ok)", ("tests/test_v2_launch_scatter.py",)),
+    Mutant("launch-row-in-next-request", "a row belongs to the request whose rows contain it (binary search)",
+           "vllm/spec_decode/launch_triton.py", "right = active & (end <= i)", "right = active & (end < i)",
+           ("tests/test_v2_launch_scatter.py",)),
+    Mutant("launch-rejected-as-context", "rejected drafts are not context (the V2 launch kernels)",
+           "vllm/spec_decode/launch_triton.py", "valid = (ran - tl.load(rej_ptr + j, mask=ok, other=0).to(tl.int64))",
+           "valid = (ran - 0)", ("tests/test_v2_launch_scatter.py",)),
+    Mutant("launch-kept-ignored", "a request left out of the step ships no row",
+           "vllm/spec_decode/launch_triton.py", " * tl.load(kept_ptr + j, mask=ok, other=0)", "",
+           ("tests/test_v2_launch_scatter.py",)),
 )

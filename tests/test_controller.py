@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from k3_accel.transport.api import StepInput, StepOutput
-from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
+from k3_accel.vllm.spec_decode.controller import TRACE_STEPS, Controller, ControllerSettings
 
 K = 7
 
@@ -397,13 +397,13 @@ def test_the_recent_steps_say_why_speculation_went_off():
     t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=4)), batch=2,
                    fixed=0.0053, per_token=0.00004, rt=0.0032)
     t.accept = lambda step, i, j: j < 4
-    t.step(30)
-    t.accept = lambda step, i, j: False
-    t.stall = lambda step: 1.0 if step == 45 else 0.0
+    t.step(TRACE_STEPS)                          # drafting, then 40 steps in which nothing is accepted:
+    t.accept = lambda step, i, j: False          # the trace keeps the last TRACE_STEPS of them
+    t.stall = lambda step: 1.0 if step == TRACE_STEPS + 15 else 0.0
     t.step(40)
     snap = t.c.snapshot()
     fields, recent = snap["recent_fields"], snap["recent"]
-    assert len(recent) == 64 and all(len(r) == len(fields) for r in recent)
+    assert len(recent) == TRACE_STEPS and all(len(r) == len(fields) for r in recent)
     col = {f: [r[i] for r in recent] for i, f in enumerate(fields)}
     assert col["drafts"][:10] != [0] * 10 and col["drafts"][-10:].count(0) >= 5     # on, then off
     assert max(col["off"]) >= 3 and any(col["probe"])
