@@ -41,7 +41,7 @@ def decode_batch(device: torch.device, b: int, pos: int):
     ids = [f"r{i}" for i in range(b)]
     ones = np.ones(b, dtype=np.int32)
     return types.SimpleNamespace(
-        req_ids=ids, num_reqs=b, idx_mapping=torch.arange(b, dtype=torch.int32, device=device),
+        req_ids=ids, num_reqs=b, idx_mapping=torch.arange(b, dtype=torch.int64, device=device),
         idx_mapping_np=np.arange(b), query_start_loc=torch.from_numpy(qsl).to(device), query_start_loc_np=qsl,
         input_ids=torch.randint(0, 50000, (b,), dtype=torch.int32, device=device),
         positions=torch.full((b,), pos, dtype=torch.int64, device=device),

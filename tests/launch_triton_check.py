@@ -49,6 +49,9 @@ def random_step(rng: np.random.Generator, device: str) -> dict:
 def check(device: str, steps: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     dev = torch.device(device)
+    rows = DeviceRows(CAPACITY, 0, torch.bfloat16, MAX_REQS, dev)
+    launch_triton.warm(rows)                     # the build-time compile: one request, one row
+    assert rows.meta[0, 0].item() == 1 and rows.token_ids[0].item() == 0 and rows.dst[0].item() == 0
     for step in range(steps):
         args = random_step(rng, device)
         outs = []

@@ -89,4 +89,19 @@ def scatter(rows, r: int, n: int, qsl: torch.Tensor, num_rejected: torch.Tensor,
     return dst
 
 
-__all__ = ["scatter"]
+def warm(rows) -> None:
+    """Compile both kernels now, for the argument types vLLM 0.33's V2 runner passes (query_start_loc,
+    num_sampled, num_rejected, next_prefill_tokens and input_ids int32; idx_mapping, last_sampled_tokens,
+    positions int64): called when the buffers are built, so the first real step does not compile in
+    the middle of serving (vLLM's JIT monitor warns about that)."""
+    dev = rows.device
+
+    def t(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=dev)
+
+    i32, i64 = torch.int32, torch.int64
+    scatter(rows, 1, 1, t([0, 1], i32), t([0], i32), t([1], i64), t([1], i32), t([0], i64), t([0], i32),
+            t([0], i64), t([0], i64), t([0], i32))
+
+
+__all__ = ["scatter", "warm"]

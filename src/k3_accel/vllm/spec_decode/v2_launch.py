@@ -156,6 +156,9 @@ class DeviceRows:
         self.excl = torch.empty(max_reqs, dtype=torch.int64, device=device)   # each request's first compacted row
         self.dst = torch.empty(capacity, dtype=torch.int64, device=device)    # where each row of the step went
         self.scatter = _scatter_for(device)
+        if self.scatter is not scatter_torch:       # the kernels compile here, before serving
+            from . import launch_triton
+            launch_triton.warm(self)
         self.device = device
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
