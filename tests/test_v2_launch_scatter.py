@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).parent
 
@@ -26,3 +27,22 @@ def test_the_launch_kernels_scatter_as_the_torch_operations_interpreted():
 def test_the_compiled_launch_kernels_scatter_as_the_torch_operations():
     import launch_triton_check
     launch_triton_check.check("cuda", 300, 1)
+
+
+def test_kernels_that_do_not_compile_leave_the_torch_launch_and_say_so(monkeypatch, caplog):
+    """Where the launch kernels cannot be built (a Triton that does not compile them), the buffers
+    keep the torch scatter, with one warning, instead of failing the speculator."""
+    from k3_accel.vllm.spec_decode import launch_triton, v2_launch
+
+    def broken(rows):
+        raise RuntimeError("no compiler here")
+
+    def kernels(*args):
+        raise AssertionError("never called: the warm-up failed")
+
+    monkeypatch.setattr(v2_launch, "_scatter_for", lambda device: kernels)
+    monkeypatch.setattr(launch_triton, "warm", broken)
+    with caplog.at_level("WARNING", logger="k3_accel.vllm"):
+        rows = v2_launch.DeviceRows(16, 0, torch.bfloat16, 4, torch.device("cpu"))
+    assert rows.scatter is v2_launch.scatter_torch
+    assert any("did not compile" in r.getMessage() and "no compiler here" in r.getMessage() for r in caplog.records)

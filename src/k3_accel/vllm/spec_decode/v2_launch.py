@@ -23,6 +23,7 @@ tests) the copies are plain and the slot is ready at once.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ import torch
 
 from k3_accel.transport.api import StepInput
 from k3_accel.transport.staging import pinning_available
+
+log = logging.getLogger("k3_accel.vllm")
 
 META_ROWS = 7           # valid rows, sampled, anchor token, first position, temperature bits, seed, rows run
 
@@ -158,7 +161,12 @@ class DeviceRows:
         self.scatter = _scatter_for(device)
         if self.scatter is not scatter_torch:       # the kernels compile here, before serving
             from . import launch_triton
-            launch_triton.warm(self)
+            try:
+                launch_triton.warm(self)
+            except Exception as exc:  # noqa: BLE001 - the torch operations do the same, slower
+                log.warning("k3-accel: the V2 launch kernels did not compile (%s: %s); the launch uses torch "
+                            "operations", type(exc).__name__, exc)
+                self.scatter = scatter_torch
         self.device = device
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
