@@ -46,3 +46,23 @@ def test_kernels_that_do_not_compile_leave_the_torch_launch_and_say_so(monkeypat
         rows = v2_launch.DeviceRows(16, 0, torch.bfloat16, 4, torch.device("cpu"))
     assert rows.scatter is v2_launch.scatter_torch
     assert any("did not compile" in r.getMessage() and "no compiler here" in r.getMessage() for r in caplog.records)
+
+
+def test_kernels_that_compile_are_the_ones_the_launch_uses(monkeypatch):
+    """The build-time compile sees finished buffers (their device, their meta) and, when it succeeds,
+    the launch runs the kernels: a warm-up that fails for a half-built object must not quietly
+    leave every step on the slower torch operations."""
+    from k3_accel.vllm.spec_decode import launch_triton, v2_launch
+    warmed = []
+
+    def kernels(*args):
+        raise AssertionError("not called while building")
+
+    def warm(rows):
+        warmed.append((rows.device, rows.cuda, tuple(rows.meta.shape), tuple(rows.dst.shape)))
+
+    monkeypatch.setattr(v2_launch, "_scatter_for", lambda device: kernels)
+    monkeypatch.setattr(launch_triton, "warm", warm)
+    rows = v2_launch.DeviceRows(16, 0, torch.bfloat16, 4, torch.device("cpu"))
+    assert warmed == [(torch.device("cpu"), False, (v2_launch.META_ROWS, 4), (16,))]
+    assert rows.scatter is kernels

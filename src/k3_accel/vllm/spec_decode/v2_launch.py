@@ -158,8 +158,12 @@ class DeviceRows:
         self.rows = torch.arange(capacity, dtype=torch.int64, device=device)
         self.excl = torch.empty(max_reqs, dtype=torch.int64, device=device)   # each request's first compacted row
         self.dst = torch.empty(capacity, dtype=torch.int64, device=device)    # where each row of the step went
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.copied: Any = None             # event: the last copy out of these buffers is done
         self.scatter = _scatter_for(device)
-        if self.scatter is not scatter_torch:       # the kernels compile here, before serving
+        if self.scatter is not scatter_torch:       # the kernels compile here (the buffers are whole), before serving
             from . import launch_triton
             try:
                 launch_triton.warm(self)
@@ -167,10 +171,6 @@ class DeviceRows:
                 log.warning("k3-accel: the V2 launch kernels did not compile (%s: %s); the launch uses torch "
                             "operations", type(exc).__name__, exc)
                 self.scatter = scatter_torch
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.side = torch.cuda.Stream(device) if self.cuda else None
-        self.copied: Any = None             # event: the last copy out of these buffers is done
 
     @property
     def nbytes(self) -> int:
