@@ -279,11 +279,12 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
             temperature, seeds = sampling
             rows.meta[4, :r].copy_(temperature.index_select(0, slot_idx).to(torch.float32).view(torch.int32))
             rows.meta[5, :r].copy_(seeds.index_select(0, slot_idx))
-        width = 0
-        for h in (aux or ()) if n else ():
-            hw = h.shape[-1]
-            rows.hidden[:, width:width + hw].index_copy_(0, dst, h[:n])
-            width += hw
+        if n:
+            width = 0
+            for h in aux or ():
+                hw = h.shape[-1]
+                rows.hidden[:, width:width + hw].index_copy_(0, dst, h[:n])
+                width += hw
         prompt_rows = {}
         if prompts and all_token_ids is not None:
             for rid, (i, count) in prompts.items():
