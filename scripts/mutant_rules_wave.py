@@ -91,4 +91,16 @@ WAVE_MUTANTS = (
     Mutant("launch-kept-ignored", "a request left out of the step ships no row",
            "vllm/spec_decode/launch_triton.py", " * tl.load(kept_ptr + j, mask=ok, other=0)", "",
            ("tests/test_v2_launch_scatter.py",)),
+    # ------------------------------------------------------------- twelfth session
+    Mutant("finish-ships-held-rows", "a dropped request's held rows are forgotten, not shipped at its free",
+           "vllm/spec_decode/pipeline.py", "        self.call(finish, wait=False)\n",
+           "        self.call(finish, wait=False, after_held=True)\n", ("tests/test_off_rows.py",)),
+    Mutant("drop-takes-the-others", "dropping one request's held rows keeps every other request's",
+           "vllm/spec_decode/off_rows.py", "            elif stay.any():\n                kept.append(_without(held, stay))",
+           "            elif stay.any():\n                pass", ("tests/test_off_rows.py",)),
+    Mutant("server-threads-ignored", "k3-draft-server --threads N runs torch on N threads",
+           "server/cli.py", "        if args.threads:\n            torch.set_num_threads(args.threads)",
+           "        if False:\n            torch.set_num_threads(args.threads)", ("tests/test_server.py",)),
+    Mutant("launcher-threads-default", "the launcher gives a CPU server one torch thread unless told otherwise",
+           "demo/server.py", '    return [*args, "--threads", "1"]', "    return args", ("tests/test_server.py",)),
 )

@@ -88,6 +88,42 @@ def test_the_merged_ingest_carries_every_requests_rows_in_order(seed, with_hidde
     assert merged.num_accepted == [accepted[rid] for rid in merged.req_ids]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_dropped_request_leaves_nothing_and_the_others_keep_every_row_in_order(seed):
+    """vLLM dropped some requests (finished or preempted): their held rows go, the rest merge as if
+    the dropped ones had never been held, and later steps of the others still fit."""
+    rng = random.Random(100 + seed)
+    steps, rows, anchors, prompts, _ = _random_steps(rng, rng.randrange(3, 12), True)
+    held = OffRows(max_rows=1 << 20)
+    for inp in steps:
+        held.add(inp)
+    shipped = [rid for rid in rows if rows[rid]]
+    gone = rng.sample(shipped, rng.randrange(1, len(shipped) + 1)) + ["never-held"]
+    total = held.rows
+    assert held.drop(gone) == sum(len(rows[rid]) for rid in gone if rid in rows)
+    assert held.rows == total - held.stats()["dropped_rows"]
+    assert held.drop(gone) == 0                                   # nothing of theirs is left
+    stay = [rid for rid in shipped if rid not in gone]
+    if stay:                                                      # a later step of a staying request fits
+        rid = stay[0]
+        nxt = step([rid], [(anchors[rid][1], [1])], k=0, hidden=torch.zeros(1, W))
+        assert held.fits(nxt)
+    merged = held.take()
+    if not stay:
+        assert merged is None and held.rows == 0
+        return
+    assert sorted(merged.req_ids) == sorted(stay) and held.rows == 0
+    at = 0
+    for rid, count, tok, apos in zip(merged.req_ids, merged.counts, merged.anchor_tokens, merged.anchor_positions):
+        want = rows[rid]
+        assert count == len(want) and (tok, apos) == anchors[rid]
+        assert merged.positions[at:at + count].tolist() == [p for p, _, _ in want]
+        assert merged.token_ids[at:at + count].tolist() == [t for _, t, _ in want]
+        assert torch.equal(merged.hidden[at:at + count], torch.tensor([h for _, _, h in want]))
+        at += count
+    assert merged.prompt_token_ids == {rid: prompts[rid] for rid in merged.req_ids}
+
+
 def test_held_rows_are_copies_not_the_runners_buffers():
     held = OffRows(max_rows=64)
     inp = step(["a"], [(0, [5, 6, 7])], k=0, hidden=torch.ones(3, W))
@@ -212,7 +248,10 @@ def test_held_rows_reach_the_server_before_its_next_draft():
         server.stop()
 
 
-def test_a_free_and_a_flush_send_the_held_rows_first():
+def test_a_free_forgets_the_freed_requests_held_rows_and_a_flush_sends_the_others():
+    """A request vLLM dropped never drafts again under its id: its held rows are not shipped (its end
+    used to cost the server an ingest of every row held, for every request), nothing of it reaches
+    the server after its free, and the requests still running keep every row, in order."""
     server = ServerProcess("--engine", "ngram")
     pipe = _off_pipeline(server)
     try:
@@ -222,14 +261,22 @@ def test_a_free_and_a_flush_send_the_held_rows_first():
         pipe.call(lambda c: None, timeout=60)                     # the draft thread has run every step
         assert len(pipe.off_rows) > 0
         held_r0 = len(target.hist["r0"])
-        pipe.finish(["r0"])                                      # what RemoteDraftSession.finish calls
-        pipe.flush(60)
-        assert len(pipe.off_rows) == 0
-        # the free did not overtake r0's held rows: nothing of r0 was shipped after it (that would be
-        # a request the client no longer knows, blamed as a cold start, and the server's copy short)
-        client = pipe.call(lambda c: c.stats(), timeout=60)
-        assert client["requests"]["disabled"] == 0 and not client["counters"].get("failures"), client
         assert held_r0 > len(target.prompt["r0"])                # r0 had held decode rows to lose
+        def stored():              # rows the server has stored, once everything sent has arrived
+            pipe.call(lambda c: c.flush(), timeout=60)
+            return pipe.call(lambda c: c.server_stats(), timeout=60)["ingested_rows"]
+        before = stored()
+        pipe.finish(["r0"])                                      # what RemoteDraftSession.finish calls
+        target.ids.remove("r0")                                  # vLLM dropped it
+        assert stored() == before                                # the free shipped no rows
+        client = pipe.call(lambda c: c.stats(), timeout=60)
+        held = pipe.off_rows.stats()
+        assert held["dropped_rows"] > 0 and held["rows_now"] > 0         # r0's went, r1's wait
+        # nothing of r0 was shipped after its free (that would be a request the client no longer
+        # knows, blamed as a cold start)
+        assert client["requests"]["disabled"] == 0 and not client["counters"].get("failures"), client
+        pipe.flush(60)                                                          # what RemoteDraftSession.flush calls
+        assert len(pipe.off_rows) == 0
         # r1 keeps its context: a draft for it now sees every row it shipped, held ones included
         hist, anchor = target.hist["r1"], target.anchor["r1"]
         ask = step(["r1"], [(len(hist), [])], anchors=[anchor], k=K)
@@ -239,7 +286,7 @@ def test_a_free_and_a_flush_send_the_held_rows_first():
             target.step()
         pipe.call(lambda c: None, timeout=60)                     # the draft thread has run every step
         assert len(pipe.off_rows) > 0
-        pipe.flush(60)                                                          # what RemoteDraftSession.flush calls
+        pipe.flush(60)
         assert len(pipe.off_rows) == 0
         hist, anchor = target.hist["r1"], target.anchor["r1"]
         ask = step(["r1"], [(len(hist), [])], anchors=[anchor], k=K)
@@ -247,7 +294,6 @@ def test_a_free_and_a_flush_send_the_held_rows_first():
     finally:
         pipe.close(10)
         server.stop()
-
 
 
 def test_an_off_step_hands_its_rows_over_without_waiting(off_pipe):

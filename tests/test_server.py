@@ -255,6 +255,8 @@ def test_health_ready_and_metrics(server, wire):
     (["--ngram-min", "4", "--ngram-max", "2"], "--ngram-min must be <="),
     (["--host", "0.0.0.0"], "not a loopback address"),
     (["--ingest-coalesce-rows", "-1"], "outside >= 0"),
+    (["--threads", "-1"], "outside >= 0"),
+    (["--threads", "two"], "is not an integer"),
 ])
 def test_cli_validation_errors(argv, needle, capsys):
     from k3_accel.server.cli import build_parser, validate
@@ -262,6 +264,27 @@ def test_cli_validation_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as info:
         validate(ap.parse_args(argv), ap)
     assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, threads", [((), 1), (("--threads", "2"), 2)])
+def test_a_server_launched_beside_its_client_runs_the_torch_threads_it_was_given(extra, threads):
+    """The launcher of the demo, tests and benchmarks gives a CPU server one torch thread (it shares
+    the machine's cores with the engine driving it) unless its flags say how many."""
+    server = ServerProcess("--engine", "ngram", *extra)
+    try:
+        w = Wire(server.address)
+        assert w.call(p.Stats()).result["threads"] == threads
+        w.close()
+    finally:
+        server.stop()
+
+
+def test_the_launcher_leaves_threads_alone_where_they_are_set_or_the_engine_is_on_a_gpu():
+    from k3_accel.demo.server import beside_its_client
+    assert beside_its_client(["--engine", "ngram"]) == ["--engine", "ngram", "--threads", "1"]
+    assert beside_its_client(["--device", "cpu"])[-2:] == ["--threads", "1"]
+    for args in (["--threads", "4"], ["--threads=4"], ["--device", "cuda:0"], ["--device=cuda"]):
+        assert beside_its_client(args) == args
 
 
 def test_cuda_device_is_checked_against_this_machine(capsys):

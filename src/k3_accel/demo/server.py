@@ -3,7 +3,9 @@ and the benchmarks.
 
 The handle can signal the process (kill, stop, continue) and restart it on
 the same ports, so a target keeps its configured address across a restart.
-On Linux the server dies with its parent (``PR_SET_PDEATHSIG``).
+On Linux the server dies with its parent (``PR_SET_PDEATHSIG``). A server
+on the CPU runs one torch thread unless its flags say otherwise
+(:func:`beside_its_client`).
 """
 from __future__ import annotations
 
@@ -46,6 +48,21 @@ def http_status(url: str, timeout: float = 2.0) -> int:
 BIND_ATTEMPTS = 3
 
 
+def beside_its_client(args: Sequence[str]) -> list[str]:
+    """The flags of a server launched here, on this machine's CPUs beside whatever drives it (a
+    vLLM engine whose OpenMP threads take every core): ``--threads 1`` unless ``args`` set
+    ``--threads`` or put the engine on a GPU. Two OpenMP teams on the same cores spin at their
+    barriers against each other: on the 2-core box the server's ingest of one probe's held rows
+    (512 rows) took 30 ms with torch's default threads, 2 ms on its own."""
+    args = list(args)
+    flags = {a.split("=", 1)[0] for a in args}
+    device = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--device"), "cpu")
+    device = next((a.split("=", 1)[1] for a in args if a.startswith("--device=")), device)
+    if "--threads" in flags or device != "cpu":
+        return args
+    return [*args, "--threads", "1"]
+
+
 class DraftServer:
     """``python -m k3_accel.server.cli ARGS`` on loopback ports (picked free unless given): the one
     launcher of the demo, the tests and the benchmarks. Its output goes to ``log_path`` (appended),
@@ -53,7 +70,7 @@ class DraftServer:
 
     def __init__(self, args: Sequence[str], log_path: str | Path | None = None, port: int | None = None,
                  http_port: int | None = None, *, env: Mapping[str, str] | None = None, capture: bool = False):
-        self.args = list(args)
+        self.args = beside_its_client(args)
         self._picked = port is None and http_port is None
         self.port, self.http_port = port or free_port(), http_port or free_port()
         self.log_path = Path(log_path) if log_path is not None else None

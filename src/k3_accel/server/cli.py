@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import torch
 import zmq
 
 from k3_accel.protocol import DEFAULT_MAX_MESSAGE_BYTES
@@ -89,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-model", metavar="DIR",
                     help="target checkpoint; only embed_tokens and lm_head are read (dflash, dspark)")
     ap.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--threads", type=_int_in(0), default=0,
+                    help="torch intra-op threads of the server (0: torch's default, one per core); give a "
+                         "server that shares its CPUs with a vLLM target 1, or their two OpenMP teams spin "
+                         "against each other (a 2 ms ingest took 30 ms on a 2-core box)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="draft compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind; non-loopback needs CURVE keys")
@@ -206,6 +211,8 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> None:
                         ready=lambda: loop is not None and loop.ready.is_set(), on_scrape=metrics.flush).start()
     log.info("http on %s:%d (/healthz /readyz /metrics)", args.host, http.port)
     try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
         engine = build_engine(args)
         store = RequestStore(engine, max_requests=min(args.max_requests, args.max_requests_total),
                              max_requests_total=args.max_requests_total,
@@ -224,9 +231,9 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> None:
         gc.collect()
         gc.freeze()     # the startup heap (torch, weights, modules) is never scanned again: a full
         #                 collection over it costs tens of ms, paid by whichever propose triggers it
-        log.info("k3-draft-server ready: engine=%s endpoints=%s server_id=%s pool=%d blocks x %d rows",
-                 engine.caps.kind, " ".join(loop.endpoints), service.server_id, engine.pool.num_blocks,
-                 engine.pool.block_rows)
+        log.info("k3-draft-server ready: engine=%s endpoints=%s server_id=%s pool=%d blocks x %d rows "
+                 "threads=%d", engine.caps.kind, " ".join(loop.endpoints), service.server_id,
+                 engine.pool.num_blocks, engine.pool.block_rows, torch.get_num_threads())
         loop.serve(stop)
     finally:
         http.close()

@@ -269,7 +269,8 @@ class DraftService:
 
     def _stats(self, session: Session, req: p.Request) -> Reply:
         return self._ok(req, result={**self.metrics.snapshot(), **self.store.summary(),
-                                     "session": session.name, "device_plane": self.plane.stats()})
+                                     "session": session.name, "device_plane": self.plane.stats(),
+                                     "threads": torch.get_num_threads()})
 
     def reclaim(self, session: Session, why: str) -> None:
         """Free a session whose client went away (lease expired)."""

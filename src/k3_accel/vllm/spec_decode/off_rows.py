@@ -50,7 +50,7 @@ class OffRows:
         self._end: dict[str, int] = {}          # request -> position right after its held rows
         self._prompts: dict[str, Any] = {}
         self.rows = self.bytes = 0
-        self.counters = {"held_steps": 0, "shipped_ingests": 0}
+        self.counters = {"held_steps": 0, "shipped_ingests": 0, "dropped_rows": 0}
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -137,8 +137,40 @@ class OffRows:
             prompt_token_ids={rid: prompts[rid] for rid in ids if rid in prompts} or None,
             num_accepted=[accepted.get(rid, 0) for rid in ids] if accepted else None)
 
+    def drop(self, req_ids: list[str]) -> int:
+        """Forget the held rows of ``req_ids`` (requests vLLM dropped: their free follows, so nothing
+        of theirs may be shipped after it); the other requests' rows stay held, in order. Returns
+        how many rows went."""
+        gone = {rid for rid in req_ids if rid in self._end}
+        if not gone:
+            return 0
+        before, kept = self.rows, []
+        for held in self._steps:
+            stay = np.fromiter((rid not in gone for rid in held.req_ids), dtype=bool, count=len(held.req_ids))
+            if stay.all():
+                kept.append(held)
+            elif stay.any():
+                kept.append(_without(held, stay))
+        self._steps = kept
+        for rid in gone:
+            del self._end[rid]
+            self._prompts.pop(rid, None)
+        self.rows = sum(int(h.counts.sum()) for h in kept)
+        self.bytes = sum(_nbytes(t) for h in kept for t in (h.positions, h.token_ids, h.hidden))
+        self.counters["dropped_rows"] += before - self.rows
+        return before - self.rows
+
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "held_now": len(self._steps), "rows_now": self.rows}
+
+
+def _without(held: _Held, stay: np.ndarray) -> _Held:
+    """``held`` with only the requests ``stay`` marks (and their rows)."""
+    rows = torch.from_numpy(np.repeat(stay, held.counts))
+    pick = np.flatnonzero(stay).tolist()
+    return _Held([held.req_ids[i] for i in pick], held.counts[stay], held.positions[rows], held.token_ids[rows],
+                 None if held.hidden is None else held.hidden[rows], held.anchor_tokens[stay],
+                 held.anchor_positions[stay], None if held.accepted is None else [held.accepted[i] for i in pick])
 
 
 def _nbytes(t: torch.Tensor | None) -> int:

@@ -204,15 +204,17 @@ class DraftPipeline(StepWatch):
             self.client.step(merged)
 
     def finish(self, req_ids: list[str]) -> None:
-        """Free requests vLLM dropped (not waited for): the rows :attr:`off_rows` holds go first, so a
-        free never overtakes a request's own rows; the controller forgets them."""
+        """Free requests vLLM dropped (not waited for): the rows :attr:`off_rows` holds for them are
+        forgotten, never shipped after their free (the other requests' stay held); the controller
+        forgets them."""
         controller = self.controller
 
         def finish(client):
+            self.off_rows.drop(req_ids)
             client.finish(req_ids)
             if controller is not None:
                 controller.forget(req_ids)
-        self.call(finish, wait=False, after_held=True)
+        self.call(finish, wait=False)
 
     def flush(self, timeout: float) -> None:
         """Wait until everything handed to the draft thread, held rows included, is on the server."""
