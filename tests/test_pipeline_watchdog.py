@@ -150,6 +150,34 @@ def test_the_gpu_waits_no_longer_than_the_deadline_and_late_drafts_are_never_wri
         pipe.close(5)
 
 
+def test_a_released_step_never_reads_the_drafts_its_slot_holds_from_two_steps_before():
+    """Reply slots alternate between steps: a step the deadline releases before the draft thread even
+    reached it (the thread still waits on the step before) reads "no drafts", not the drafts an earlier
+    step left in the same slot (the GPU would verify another step's tokens)."""
+    failures: list[str] = []
+    client = GatedClient()
+    pipe = DraftPipeline(client, HostFence(), 4, 3, lambda kind, what: failures.append(kind),
+                         stall_s=3600, deadline_s=0.05)
+    try:
+        client.gate.set()
+        first = pipe.submit(ReadyLaunch([0, 1], 3), propose=True)
+        assert pipe.fence.wait(first, timeout=60)
+        assert pipe.call(lambda c: "done", timeout=60) == "done"
+        assert pipe.reply_rows(first, 4, 3)[:2].tolist() == [[7, 7, 7]] * 2
+        client.gate.clear()
+        client.entered.clear()
+        pipe.submit(ReadyLaunch([0, 1], 3), propose=True)             # the server pauses on this one
+        assert client.entered.wait(60)
+        third = pipe.submit(ReadyLaunch([0, 1], 3), propose=True)     # queued behind it
+        assert third % 2 == first % 2                                  # the first step's slot
+        assert pipe.fence.wait(third, timeout=60)                      # released by the deadline
+        assert (pipe.reply_rows(third, 4, 3) == -1).all()
+        assert "deadline" in failures
+    finally:
+        client.gate.set()
+        pipe.close(5)
+
+
 def test_a_step_is_timed_from_when_the_gpu_reaches_it():
     """The deadline counts from the launch event's completion (the GPU got there), not from the
     submission: a step whose copy has not run yet is never released early."""
@@ -167,9 +195,10 @@ def test_a_step_is_timed_from_when_the_gpu_reaches_it():
         with pipe._lock:
             pipe._pending[1] = [0.0, launch, None]
         assert pipe.expire(100.0) == []                         # long after submission, but not reached yet
+        assert pipe.expire(105.0) == []                         # (nor counted from the first look)
         launch.ready.done = True
-        assert pipe.expire(100.0) == []                         # reached now: its clock starts here
-        assert pipe.expire(100.5) == [] and pipe.expire(101.0) == [1]
+        assert pipe.expire(110.0) == []                         # reached now: its clock starts here
+        assert pipe.expire(110.5) == [] and pipe.expire(111.0) == [1]
         assert pipe.fence.wait(1, timeout=0)
     finally:
         pipe.close(5)
