@@ -38,6 +38,7 @@ for path in (str(HERE), str(HERE.parent / "src")):
 # vLLM's engine processes unpickle p6_stats.stats_on_worker by reference: they must find this folder
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
 
+import p6_steps  # noqa: E402
 from p6_stats import (BATCHES, controller_delta, drafter_stats, measures_drafting,  # noqa: E402
                       oracle_counts, phase_delta, spec_counters, trouble)
 
@@ -253,6 +254,7 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
                                                    **json.loads(args.plugin)}})
     out = doc["variants"].setdefault(name, {"speculative_config": spec_extra, "plugin": plugin})
     try:
+        llm.collective_rpc(p6_steps.install_on_worker)      # each timed run's step periods (step_trace)
         generate(llm, warm, 16)
         for length in LENGTHS:
             for b in BATCHES:
@@ -267,7 +269,9 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
                 time.sleep(0.01)
                 s1 = drafter_stats(llm)
                 before = spec_counters(llm)
+                llm.collective_rpc(p6_steps.clear_on_worker)
                 secs, outs = generate(llm, prompts[b], args.tokens)
+                steps = p6_steps.summarise(llm.collective_rpc(p6_steps.take_on_worker)[0])
                 after, s2 = spec_counters(llm), drafter_stats(llm)
                 problems = trouble(s2, trouble(s1))
                 rec = json.loads((work / f"record-{b}.json").read_text())["sequences"]
@@ -286,7 +290,7 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
                          # diagnosis: what went wrong in the untimed run, what the controller chose in the timed one
                          "switch_trouble": trouble(s1, trouble(s0)), "controller": controller_delta(s1, s2),
                          "gate": (s2 or {}).get("gate") if isinstance(s2, dict) else None,
-                         "phases": phase_delta(s1, s2)}
+                         "phases": phase_delta(s1, s2), "step_trace": steps}
                 out.setdefault(str(length), {})[b] = entry
                 print(json.dumps({"variant": name, "length": length, "B": b, **entry}), flush=True)
                 _save(doc, args.out)
@@ -389,14 +393,17 @@ def main() -> int:
     warm = rng.integers(10, vocab, size=(max(BATCHES), args.prompt_len)).tolist()
     doc: dict = {"config": vars(args), "baseline": {}, "variants": {}}
     llm = make_llm(target, args)
+    llm.collective_rpc(p6_steps.install_on_worker)
     generate(llm, warm, 16)
     for b in BATCHES:
         # untimed first, as in the speculative runs: every timed run finds its prompts in the prefix cache
         generate(llm, prompts[b], args.tokens)
+        llm.collective_rpc(p6_steps.clear_on_worker)
         secs, outs = generate(llm, prompts[b], args.tokens)
         (work / f"record-{b}.json").write_text(json.dumps({"sequences": [p + o for p, o in zip(prompts[b], outs)]}))
         doc["baseline"][b] = {"seconds": secs, "tokens_per_s": b * args.tokens / secs,
-                              "distinct_output_ids": len({t for o in outs for t in o})}
+                              "distinct_output_ids": len({t for o in outs for t in o}),
+                              "step_trace": p6_steps.summarise(llm.collective_rpc(p6_steps.take_on_worker)[0])}
         print(json.dumps({"baseline": b, **doc["baseline"][b]}), flush=True)
         _save(doc, args.out)
     llm.llm_engine.engine_core.shutdown()
