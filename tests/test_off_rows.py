@@ -90,7 +90,7 @@ def test_the_merged_ingest_carries_every_requests_rows_in_order(seed, with_hidde
 
 @pytest.mark.parametrize("seed", range(6))
 def test_a_dropped_request_leaves_nothing_and_the_others_keep_every_row_in_order(seed):
-    """vLLM dropped some requests (finished or preempted): their held rows go, the rest merge as if
+    """Some requests finished (or were aborted): their held rows go, the rest merge as if
     the dropped ones had never been held, and later steps of the others still fit."""
     rng = random.Random(100 + seed)
     steps, rows, anchors, prompts, _ = _random_steps(rng, rng.randrange(3, 12), True)

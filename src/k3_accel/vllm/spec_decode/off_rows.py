@@ -8,7 +8,11 @@ with the draft server that cost was most of what a useless draft still cost
 (``benchmarks/adaptive_cpu.py``). :class:`OffRows` keeps them instead and hands
 back one :class:`~k3_accel.transport.api.StepInput` with every request's rows
 in order, which the draft thread ships before anything else reaches the server
-(a proposing step, a free, a flush, a step while the link is down).
+(a proposing step, a flush, a step while the link is down). The rows of a
+request that finished (or was aborted; V1 keeps a preempted request's state) are
+forgotten instead (:meth:`OffRows.drop`): nothing drafts from them, and shipping
+them at the free made every request's end cost the server an ingest of all that
+was held, for every request.
 
 It takes only host rows (a target on CPU: copies are cheap and no device memory
 vLLM did not count is held), only rows that continue where the request's held
@@ -138,7 +142,7 @@ class OffRows:
             num_accepted=[accepted.get(rid, 0) for rid in ids] if accepted else None)
 
     def drop(self, req_ids: list[str]) -> int:
-        """Forget the held rows of ``req_ids`` (requests vLLM dropped: their free follows, so nothing
+        """Forget the held rows of ``req_ids`` (requests that finished: their free follows, so nothing
         of theirs may be shipped after it); the other requests' rows stay held, in order. Returns
         how many rows went."""
         gone = {rid for rid in req_ids if rid in self._end}
