@@ -124,6 +124,34 @@ def test_a_dropped_request_leaves_nothing_and_the_others_keep_every_row_in_order
     assert merged.prompt_token_ids == {rid: prompts[rid] for rid in merged.req_ids}
 
 
+def test_the_byte_bound_counts_only_the_rows_still_held_after_a_drop():
+    """Holding stops at ``max_bytes`` of what is held now: the rows of a finished request no longer
+    count (else every request's end would shrink the room for the others' off steps, and ship them
+    early), and the count matches the bytes that would be shipped."""
+    per_step = _nbytes_of(step(["a"], [(0, [1])], k=0, hidden=torch.zeros(1, W)))
+    held = OffRows(max_rows=1 << 20, max_bytes=per_step * 10 + per_step // 2)
+    for i in range(5):                                   # two requests, one row each per step
+        inp = step(["a", "b"], [(i, [i]), (i, [i])], k=0, hidden=torch.full((2, W), float(i)))
+        assert held.fits(inp)
+        held.add(inp)
+    nxt = step(["b"], [(5, [5])], k=0, hidden=torch.zeros(1, W))
+    full = step(["a", "b"], [(5, [5]), (5, [5])], k=0, hidden=torch.zeros(2, W))
+    assert not held.fits(full) and held.bytes == 10 * per_step
+    assert held.drop(["a"]) == 5
+    assert held.bytes == 5 * per_step and held.fits(nxt)
+    for i in range(5, 10):                               # b alone may now hold as many rows again
+        inp = step(["b"], [(i, [i])], k=0, hidden=torch.zeros(1, W))
+        assert held.fits(inp)
+        held.add(inp)
+    merged = held.take()
+    assert merged.req_ids == ["b"] and merged.positions.tolist() == list(range(10))
+    assert _nbytes_of(merged) == 10 * per_step
+
+
+def _nbytes_of(inp) -> int:
+    return sum(t.numel() * t.element_size() for t in (inp.positions, inp.token_ids, inp.hidden) if t is not None)
+
+
 def test_held_rows_are_copies_not_the_runners_buffers():
     held = OffRows(max_rows=64)
     inp = step(["a"], [(0, [5, 6, 7])], k=0, hidden=torch.ones(3, W))
