@@ -16,7 +16,8 @@ import torch
 from k3_accel.server.engines.dflash import ops_torch, ops_triton
 from k3_accel.server.engines.dflash.config import DFlashConfig
 from k3_accel.server.engines.dflash.model import rope_table
-from k3_accel.testing.precision import UNIT_ROUNDOFF
+from k3_accel.server.engines.dflash import gumbel
+from k3_accel.testing.precision import UNIT_ROUNDOFF, clear_positions, logit_tolerance
 
 CFG = DFlashConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                    intermediate_size=48, rms_norm_eps=1e-6, rope_theta=1e4, rotary_dim=16,
@@ -49,21 +50,7 @@ def kernels(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
         logits[2, cols - 1] = logits[2].max() + 1                      # in the last chunk
         assert torch.equal(ops_triton.argmax(logits), ops_torch.argmax(logits)), "argmax"
         assert int(ops_triton.argmax(logits)[1]) == 17
-        base, add = rnd(6, 3, cols), rnd(6, cols)           # DSpark's greedy Markov step: base[:, i] + bias
-        for scale in (1.0, 0.37):
-            assert torch.equal(ops_triton.argmax(base[:, 1], add, scale), ops_torch.argmax(base[:, 1], add, scale)), \
-                "argmax of a sum"
-    # the sum is rounded as the stored one would be: 1 + 2**-9 is 1 in bfloat16, a tie the first index wins
-    base = torch.full((1, 3, 40), -4.0, dtype=torch.bfloat16, device=device)
-    add = torch.zeros(1, 40, dtype=torch.bfloat16, device=device)
-    base[0, 2, 5] = base[0, 2, 30] = 1.0
-    add[0, 30] = 2.0 ** -9
-    assert int(ops_torch.argmax(base[:, 2], add)) == 5 and int(ops_triton.argmax(base[:, 2], add)) == 5, \
-        "argmax of a bfloat16 sum"
-    add[0, 30] = 2.0 ** -6                                   # 1 + 2**-6 wins, 1 + 2**-6 x 0.25 rounds to 1
-    assert int(ops_torch.argmax(base[:, 2], add)) == 30 and int(ops_triton.argmax(base[:, 2], add)) == 30
-    assert int(ops_torch.argmax(base[:, 2], add, 0.25)) == 5 and int(ops_triton.argmax(base[:, 2], add, 0.25)) == 5, \
-        "argmax of a scaled bfloat16 sum"
+    markov(device, dtype, gen)
     if device == "cpu":     # seeded Gumbel-max: the interpreter computes as PyTorch does (CUDA: test_dspark_gpu)
         logits = torch.randn(6, 3000, generator=gen) * 3
         temps = torch.tensor([0.0, 0.7, 1.3, 2.0, 0.0, 1.0])
@@ -109,6 +96,61 @@ def kernels(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
                 close(ops_triton.attention(q, k, v, kp, vp, lens, tables, rows, cfg, splits),
                       ops_torch.attention(q, k, v, kp, vp, lens, tables, rows, cfg),
                       f"attention causal={causal} rows={rows} splits={splits}", dtype)
+
+
+SHAPES = ((6, 1000, 16, 1.0), (70, 8192 * 2 + 5, 24, 0.37))       # rows, vocabulary, rank, scale
+
+
+def markov(device: str, dtype: torch.dtype, gen: torch.Generator, shapes=SHAPES) -> None:
+    """DSpark's fused Markov step (bias GEMM + sum + pick) against the PyTorch one: the same pick
+    wherever a float64 reference's winner is clear under the precision rule, greedy and sampled,
+    over one and two row blocks, a rank that is and one that is not a power of two, a scale, a mapped
+    vocabulary; and each stored value rounded to the dtype as PyTorch stores it."""
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    clear = total = 0
+    for rows, cols, rank, scale in shapes:
+        base, e, w = rnd(rows, 3, cols) * 2, rnd(rows, rank), rnd(cols, rank) / rank ** 0.5
+        planted = torch.randint(0, cols, (rows,), generator=gen)
+        at = (torch.arange(rows, device=device), 1, planted.to(device))
+        base[at] = base[:, 1].amax(-1) + 12.0                                # a clear greedy winner
+        temps = torch.tensor([0.0, 0.5, 1.0, 2.0, 0.0, 1.0, 0.5] * 10, device=device)[:rows]
+        seeds = torch.randint(-2**62, 2**62, (rows,), generator=gen).to(device)
+        lens = torch.randint(0, 100_000, (rows,), generator=gen, dtype=torch.int32).to(device)
+        ref = base[:, 1].double() + (e.double() @ w.double().T) * scale
+        tol = logit_tolerance(dtype, ref)
+        for step, keys in ((0, None), (2, torch.arange(cols, device=device) * 3 + 1)):
+            for sampling in ((), (temps, seeds, lens, step, keys)):
+                got = ops_triton.markov_pick(base[:, 1], e, w, scale, *sampling)
+                want = ops_torch.markov_pick(base[:, 1], e, w, scale, *sampling)
+                noised, t_tol = ref, tol
+                if sampling:
+                    hot = temps[:, None].double() != 0
+                    t = torch.where(hot, temps[:, None].double(), 1.0)
+                    kk = torch.arange(cols, device=device) if keys is None else keys
+                    g = gumbel.noise(gumbel.step_seeds(seeds, step), lens.long() + step + gumbel.SALT, kk).double()
+                    noised = torch.where(hot, ref / t + g, ref)
+                    t_tol = tol / t + 1e-5 * noised.abs().amax(-1, keepdim=True)
+                sure = clear_positions(noised, t_tol)
+                assert torch.equal(got[sure], want[sure]), f"markov_pick rows={rows} rank={rank} {bool(sampling)}"
+                if not sampling:
+                    assert torch.equal(got.cpu(), planted), "markov_pick: the planted winner"
+                clear, total = clear + int(sure.sum()), total + rows
+    assert clear >= total * 3 // 4, (clear, total)                        # not vacuous
+    # each stored value rounded as PyTorch stores it: 1 + 2**-9 is 1 in bfloat16, a tie the first
+    # index wins; 1 + 2**-6 wins, 1 + 2**-6 x 0.25 rounds to 1
+    base = torch.full((1, 3, 40), -4.0, dtype=dtype, device=device)
+    base[0, 2, 5] = base[0, 2, 30] = 1.0
+    e = torch.zeros(1, 16, dtype=dtype, device=device)
+    e[0, 0] = 1.0
+    w = torch.zeros(40, 16, dtype=dtype, device=device)
+    exact = dtype == torch.bfloat16
+    for bias, scale, winner in ((2.0 ** -9, 1.0, 5 if exact else 30), (2.0 ** -6, 1.0, 30),
+                                (2.0 ** -6, 0.25, 5 if exact else 30)):
+        w[30, 0] = bias
+        for ops in (ops_torch, ops_triton):
+            assert int(ops.markov_pick(base[:, 2], e, w, scale)) == winner, (ops.__name__, bias, scale)
 
 
 def engines(device: str, dtype: str, gen: torch.Generator) -> None:

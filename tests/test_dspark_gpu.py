@@ -1,5 +1,6 @@
 """DSparkEngine on a CUDA GPU (run on the GPU machine; deselected where there is none): the
-compiled seeded Gumbel-max kernel against the PyTorch one, the CUDA-graph step (Triton kernels,
+compiled seeded Gumbel-max kernel against the PyTorch one, the fused Markov step at the production
+shape, the CUDA-graph step (Triton kernels,
 the Markov loop and the sampling inside the graph) against the same engine's eager step, greedy
 and sampled (position by position while the drafted prefixes agree), on the three checkpoint shapes of the peer-oracle test, and the Triton engine's
 float32 drafts against the PyTorch engine's."""
@@ -46,6 +47,15 @@ def test_compiled_gumbel_kernel_matches_torch():
             assert torch.equal(got[sure], want[sure]), step
             clear, total = clear + int(sure.sum()), total + r
     assert clear >= total * 9 // 10                                     # not vacuous
+
+
+def test_fused_markov_step_at_the_production_shape():
+    """The fused Markov step (bias GEMM, sum and pick in one pass) picks what the PyTorch step picks
+    wherever the float64 reference's winner is clear, at the benchmark's shape (vocabulary 151,936,
+    rank 256, bf16) for 1 to 64 requests, greedy and sampled (dflash_triton_check.markov)."""
+    from dflash_triton_check import markov
+    shapes = [(b, 151_936, 256, scale) for b, scale in ((1, 1.0), (8, 1.0), (32, 0.5), (64, 1.0))]
+    markov("cuda", torch.bfloat16, torch.Generator().manual_seed(3), shapes)
 
 
 def _setup(engine, seed=1):

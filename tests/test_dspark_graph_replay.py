@@ -3,7 +3,8 @@ static buffers captured (what a graph reads: the input block, temperatures, seed
 outputs captured (what a graph writes) must draft what the eager step drafts — padded to a bucket,
 greedy and sampled, for two numbers of draft tokens — and every proposal keeps its own drafts after
 later replays (the server launches one replay per group of a batch before it reads any; a shared
-host buffer let the sampled replay overwrite the greedy one's drafts on the H200)."""
+host buffer let the sampled replay overwrite the greedy one's drafts on the H200). The input buffers are
+not zeroed: a step reads only the block-table entries inside each request's context."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -33,6 +34,14 @@ class SimulatedGraphs(GraphRunner):
             for s, f in zip(static, fresh, strict=True):
                 s.copy_(f)
         return SimpleNamespace(replay=replay), out
+
+    def _host(self, n, dtype, zero=True):
+        """A buffer not zeroed holds what its last user left: here ids far past the pool (NaN
+        for floats), so a step that read past what ``host_inputs`` writes would fail or differ."""
+        buf = super()._host(n, dtype, zero)
+        if not zero:
+            buf.fill_(float("nan") if dtype.is_floating_point else 2 ** 30)
+        return buf
 
 
 @pytest.fixture(scope="module")

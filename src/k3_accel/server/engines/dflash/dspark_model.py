@@ -55,18 +55,16 @@ def dspark_drafts(fw: FusedWeights, heads: DSparkHeads, ops: Any, kv: torch.Tens
     for i in range(k):
         e = F.embedding(prev, heads.markov_w1)                          # [R, r]
         embeds.append(e)
-        if cfg.draft_topk is None:
-            logits, add = base[:, i], F.linear(e, heads.markov_w2)     # + add * scale
+        if cfg.draft_topk is None:      # the bias GEMM, the sum and the pick: one pass (Triton)
+            pick = ops.markov_pick(base[:, i], e, heads.markov_w2, scale, batch.temperature, batch.seeds,
+                                   batch.ctx_lens, i, heads.target_ids)
         else:
             w = heads.markov_w2[index[:, i]]                            # [R, topk, r]
             corrected = values[:, i].unsqueeze(-1).clone()
             corrected.baddbmm_(w, e.unsqueeze(-1), beta=1.0, alpha=scale)
-            logits, add = dense.fill_(float("-inf")).scatter(1, index[:, i], corrected.squeeze(-1)), None
-        if batch.temperature is None:
-            pick = ops.argmax(logits, add, scale)   # greedy: the sum is never stored (one pass)
-        else:
-            logits = logits if add is None else logits + (add * scale if scale != 1.0 else add)
-            pick = ops.gumbel_argmax(logits, batch.temperature, batch.seeds, batch.ctx_lens, i, heads.target_ids)
+            logits = dense.fill_(float("-inf")).scatter(1, index[:, i], corrected.squeeze(-1))
+            pick = ops.argmax(logits) if batch.temperature is None else ops.gumbel_argmax(
+                logits, batch.temperature, batch.seeds, batch.ctx_lens, i, heads.target_ids)
         prev = to_target(fw, pick.view(r))
         drafts.append(prev)
     ids = torch.stack(drafts, dim=1)

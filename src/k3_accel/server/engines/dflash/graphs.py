@@ -107,7 +107,7 @@ class GraphRunner:
         if (bucket, k) not in self.graphs:
             self.capture(k)
         g, eng = self.graphs[(bucket, k)], self.engine
-        host_in = self._host(bucket * (2 + self.width), torch.int32)
+        host_in = self._host(bucket * (2 + self.width), torch.int32, zero=False)   # host_inputs fills what is read
         eng.host_inputs(anchors, states, bucket, self.width, out=host_in.numpy())
         g.inputs.copy_(host_in, non_blocking=True)
         if g.temperature is not None:              # padding rows: temperature 0, seed 0

@@ -59,10 +59,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def argmax(x: torch.Tensor, add: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
-    """Index of the first maximum of each row of ``x [N, V]`` (int64), or of ``x + add * scale``."""
-    if add is not None:
-        x = x + (add * scale if scale != 1.0 else add)
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximum of each row of ``x [N, V]`` (int64)."""
     return x.argmax(dim=-1)
 
 
@@ -71,6 +69,19 @@ def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tenso
     """Seeded Gumbel-max sample of draft step ``step`` (:mod:`.gumbel`): indices ``[N]`` int64."""
     return gumbel.sample(x, temperature, gumbel.step_seeds(seeds, step),
                          ctx_lens.to(torch.int64) + (step + gumbel.SALT), keys)
+
+
+def markov_pick(base: torch.Tensor, e: torch.Tensor, w: torch.Tensor, scale: float,
+                temperature: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
+                ctx_lens: torch.Tensor | None = None, step: int = 0,
+                keys: torch.Tensor | None = None) -> torch.Tensor:
+    """One step of DSpark's Markov head: indices ``[R]`` of ``base [R, V] + F.linear(e, w) * scale``
+    (each stored in the dtype): the argmax, or with ``temperature`` the seeded sample of draft ``step``."""
+    add = F.linear(e, w)
+    logits = base + (add * scale if scale != 1.0 else add)
+    if temperature is None:
+        return argmax(logits)
+    return gumbel_argmax(logits, temperature, seeds, ctx_lens, step, keys)
 
 
 def store_context(kv_proj: torch.Tensor, k_norms: torch.Tensor, cos_sin: torch.Tensor,
@@ -103,12 +114,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.T
     group, block_rows = cfg.num_heads // nkv, k_pool.shape[1]
     keys_per_req = tables.shape[1] * block_rows
     j = torch.arange(keys_per_req, device=q.device)
-    slots = tables.long()[:, j // block_rows] * block_rows + j % block_rows          # [R, W*rows]
+    in_ctx = j[None] < ctx_lens[:, None]                                            # [R, W*rows]
+    pages = torch.where(in_ctx, tables.long()[:, j // block_rows], 0)   # entries past a context: never read
+    slots = pages * block_rows + j % block_rows
     ctx_k = k_pool.reshape(-1, nkv, hd)[slots]
     ctx_v = v_pool.reshape(-1, nkv, hd)[slots]
     keys = torch.cat([ctx_k, k.reshape(r, rows, nkv, hd)], 1).float()              # [R, S, nkv, hd]
     values = torch.cat([ctx_v, v.reshape(r, rows, nkv, hd)], 1).float()
-    ctx_ok = (j[None] < ctx_lens[:, None]).unsqueeze(1).expand(r, rows, keys_per_req)
+    ctx_ok = in_ctx.unsqueeze(1).expand(r, rows, keys_per_req)
     block_ok = torch.ones(rows, rows, dtype=torch.bool, device=q.device)
     if cfg.causal:
         block_ok = block_ok.tril()

@@ -5,7 +5,8 @@ rounded to the model dtype where vLLM rounds them), one launch each: a norm
 (optionally fused with the residual add), the per-head q/k norm + RoPE done in
 place on the fused q/k/v projection, SiLU-and-multiply, and the context K/V
 store (k_norm of its layer, RoPE, value scale, scatter into the pool) for all
-layers at once. Attention lives in :mod:`.triton_attention`.
+layers at once. Attention lives in :mod:`.triton_attention`, the argmax and the
+seeded samples of the drafts (and DSpark's fused Markov step) in :mod:`.triton_sampling`.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import triton
 import triton.language as tl
 
 from .config import DFlashConfig
-from .gumbel import SALT
 from .triton_attention import attention  # noqa: F401  (part of this backend)
+from .triton_sampling import argmax, gumbel_argmax, markov_pick  # noqa: F401  (part of this backend)
 
 
 def _pow2(n: int) -> bool:
@@ -174,135 +175,6 @@ def store_context(kv_proj: torch.Tensor, k_norms: torch.Tensor, cos_sin: torch.T
             NKV=cfg.num_kv_heads, NKV_P2=triton.next_power_of_2(cfg.num_kv_heads),
             HD=cfg.head_dim, ROT=cfg.rotary_dim, NEOX=cfg.is_neox_style,
             HAS_VSCALE=cfg.v_scale is not None, num_warps=4)
-
-
-# ------------------------------------------------------------------ argmax ---
-
-@triton.jit
-def _argmax_chunks_kernel(x_ptr, y_ptr, val_ptr, idx_ptr, n_cols, x_stride, y_stride, n_chunks, scale,
-                          BLOCK: tl.constexpr, HAS_Y: tl.constexpr, SCALED: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * x_stride + cols, mask=cols < n_cols, other=float("-inf"))
-    if HAS_Y:   # x + y * scale, each result rounded to x's dtype as PyTorch would have stored it
-        y = tl.load(y_ptr + row * y_stride + cols, mask=cols < n_cols, other=0.0)
-        if SCALED:
-            y = (y.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
-        x = (x.to(tl.float32) + y.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    x = x.to(tl.float32)
-    best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(val_ptr + row * n_chunks + chunk, best)
-    tl.store(idx_ptr + row * n_chunks + chunk, chunk * BLOCK + where)
-
-
-@triton.jit
-def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS_P2: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, CHUNKS_P2)
-    vals = tl.load(val_ptr + row * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
-    _, first = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + first).to(tl.int64))
-
-
-def argmax(x: torch.Tensor, add: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
-    """Index of the first maximum of each row of ``x [N, V]`` (int64), or of ``x + add * scale``
-    (``add``: same shape and dtype; nothing stored: each product and sum is rounded to the dtype as
-    the stored one would be), in two passes: per-chunk maxima over the whole device, then one small
-    pass per row."""
-    n, cols = x.shape
-    out = torch.empty(n, dtype=torch.int64, device=x.device)
-    if n:
-        block = min(8192, triton.next_power_of_2(cols))
-        chunks = triton.cdiv(cols, block)
-        vals = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
-        idx = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
-        y = x if add is None else add
-        _argmax_chunks_kernel[(n, chunks)](x, y, vals, idx, cols, x.stride(0), y.stride(0), chunks,
-                                           float(scale), BLOCK=block, HAS_Y=add is not None,
-                                           SCALED=scale != 1.0, num_warps=8)
-        _argmax_rows_kernel[(n,)](vals, idx, out, chunks,
-                                  CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=1)
-    return out
-
-
-# ------------------------------------------------------- seeded Gumbel-max ---
-# The draft sample of :mod:`.gumbel` (vLLM 0.33's keying) in one pass over the logits.
-
-@triton.jit
-def _rotl32(x, r: tl.constexpr):
-    return (x << r) | (x >> (32 - r))
-
-
-@triton.jit
-def _murmur_mix(h, key):
-    key = _rotl32(key * 0xCC9E2D51, 15) * 0x1B873593
-    return _rotl32(h ^ key, 13) * 5 + 0xE6546B64
-
-
-@triton.jit
-def _murmur_fmix(h):
-    h = (h ^ (h >> 16)) * 0x85EBCA6B
-    h = (h ^ (h >> 13)) * 0xC2B2AE35
-    return h ^ (h >> 16)
-
-
-@triton.jit(do_not_specialize=["step"])
-def _gumbel_chunks_kernel(x_ptr, t_ptr, seed_ptr, len_ptr, key_ptr, val_ptr, idx_ptr, step, n_cols,
-                          x_stride, n_chunks, SALT: tl.constexpr, HAS_KEYS: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
-    t = tl.load(t_ptr + row)
-    if t != 0.0:
-        seed = tl.load(seed_ptr + row) ^ (tl.cast(step, tl.int64) << 32)
-        pos = tl.load(len_ptr + row).to(tl.int64) + step + SALT
-        if HAS_KEYS:
-            keys = tl.load(key_ptr + cols, mask=ok, other=0)
-        else:
-            keys = cols
-        h = (seed * 0).to(tl.uint32)
-        h = _murmur_mix(h, (seed & 0xFFFFFFFF).to(tl.uint32))
-        h = _murmur_mix(h, ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-        h = _murmur_mix(h, (pos & 0xFFFFFFFF).to(tl.uint32))
-        h = _murmur_fmix(_murmur_mix(h, keys.to(tl.uint32)) ^ 16)
-        u = (h >> 16).to(tl.int32).to(tl.float32) * 1.52587890625e-05 \
-            + ((h & 0xFFFF).to(tl.int32).to(tl.float32) + 0.5) * 2.3283064365386963e-10
-        poly = 1.0 / 8.0
-        poly = 1.0 / 7.0 + u * poly
-        poly = 1.0 / 6.0 + u * poly
-        poly = 1.0 / 5.0 + u * poly
-        poly = 1.0 / 4.0 + u * poly
-        poly = 1.0 / 3.0 + u * poly
-        poly = 1.0 / 2.0 + u * poly
-        poly = 1.0 + u * poly
-        log1p_neg = tl.where(u < 0.25, -u * poly, tl.log(tl.maximum(1.0 - u, 5.960464477539063e-08)))
-        x = tl.where(ok, x / t - tl.log(-log1p_neg), float("-inf"))
-    best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(val_ptr + row * n_chunks + chunk, best)
-    tl.store(idx_ptr + row * n_chunks + chunk, chunk * BLOCK + where)
-
-
-def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, ctx_lens: torch.Tensor,
-                  step: int, keys: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`.gumbel.sample` of draft step ``step`` (seeds and positions derived here):
-    indices ``[N]`` int64 into the columns of ``x [N, V]``."""
-    n, cols = x.shape
-    out = torch.empty(n, dtype=torch.int64, device=x.device)
-    if n:
-        block = min(4096, triton.next_power_of_2(cols))
-        chunks = triton.cdiv(cols, block)
-        vals = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
-        idx = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
-        _gumbel_chunks_kernel[(n, chunks)](x, temperature, seeds, ctx_lens, x if keys is None else keys, vals,
-                                           idx, step, cols, x.stride(0), chunks, SALT=SALT,
-                                           HAS_KEYS=keys is not None, BLOCK=block, num_warps=8)
-        _argmax_rows_kernel[(n,)](vals, idx, out, chunks,
-                                  CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=1)
-    return out
 
 
 # --------------------------------------------------------------- SiLU * up ---

@@ -1,0 +1,218 @@
+"""Picking a draft on the device, as Triton kernels: the argmax of a row (optionally of a sum, as
+DSpark's greedy Markov step needs), the seeded Gumbel-max sample of :mod:`.gumbel`, and DSpark's
+whole Markov step fused (:func:`markov_pick`: the bias GEMM, the sum and the pick in one pass over
+the bias weights). Same numerics as :mod:`.ops_torch`; part of the :mod:`.ops_triton` backend.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gumbel import SALT
+
+# ------------------------------------------------------------------ argmax ---
+
+@triton.jit
+def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, n_cols, x_stride, n_chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * n_chunks + chunk, best)
+    tl.store(idx_ptr + row * n_chunks + chunk, chunk * BLOCK + where)
+
+
+@triton.jit
+def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS_P2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS_P2)
+    vals = tl.load(val_ptr + row * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
+    _, first = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + first).to(tl.int64))
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximum of each row of ``x [N, V]`` (int64), in two passes: per-chunk
+    maxima over the whole device, then one small pass per row."""
+    n, cols = x.shape
+    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    if n:
+        block = min(8192, triton.next_power_of_2(cols))
+        chunks = triton.cdiv(cols, block)
+        vals = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
+        idx = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
+        _argmax_chunks_kernel[(n, chunks)](x, vals, idx, cols, x.stride(0), chunks, BLOCK=block, num_warps=8)
+        _argmax_rows_kernel[(n,)](vals, idx, out, chunks,
+                                  CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=1)
+    return out
+
+
+# ------------------------------------------------------- seeded Gumbel-max ---
+# The draft sample of :mod:`.gumbel` (vLLM 0.33's keying) in one pass over the logits.
+
+@triton.jit
+def _rotl32(x, r: tl.constexpr):
+    return (x << r) | (x >> (32 - r))
+
+
+@triton.jit
+def _murmur_mix(h, key):
+    key = _rotl32(key * 0xCC9E2D51, 15) * 0x1B873593
+    return _rotl32(h ^ key, 13) * 5 + 0xE6546B64
+
+
+@triton.jit
+def _murmur_fmix(h):
+    h = (h ^ (h >> 16)) * 0x85EBCA6B
+    h = (h ^ (h >> 13)) * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _gumbel_noised(x, t, seed, pos, keys):
+    """``x / t + noise`` of :mod:`.gumbel` for rows ``[R, 1]`` (t, seed, pos) and keys ``[1, C]``;
+    ``x`` where t is 0."""
+    h = (seed * 0).to(tl.uint32)
+    h = _murmur_mix(h, (seed & 0xFFFFFFFF).to(tl.uint32))
+    h = _murmur_mix(h, ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    h = _murmur_mix(h, (pos & 0xFFFFFFFF).to(tl.uint32))
+    h = _murmur_fmix(_murmur_mix(h, keys.to(tl.uint32)) ^ 16)
+    u = (h >> 16).to(tl.int32).to(tl.float32) * 1.52587890625e-05 \
+        + ((h & 0xFFFF).to(tl.int32).to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    poly = 1.0 / 8.0
+    poly = 1.0 / 7.0 + u * poly
+    poly = 1.0 / 6.0 + u * poly
+    poly = 1.0 / 5.0 + u * poly
+    poly = 1.0 / 4.0 + u * poly
+    poly = 1.0 / 3.0 + u * poly
+    poly = 1.0 / 2.0 + u * poly
+    poly = 1.0 + u * poly
+    log1p_neg = tl.where(u < 0.25, -u * poly, tl.log(tl.maximum(1.0 - u, 5.960464477539063e-08)))
+    hot = t != 0.0
+    return tl.where(hot, x / tl.where(hot, t, 1.0) - tl.log(-log1p_neg), x)
+
+
+@triton.jit(do_not_specialize=["step"])
+def _gumbel_chunks_kernel(x_ptr, t_ptr, seed_ptr, len_ptr, key_ptr, val_ptr, idx_ptr, step, n_cols,
+                          x_stride, n_chunks, SALT: tl.constexpr, HAS_KEYS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    t = tl.load(t_ptr + row)
+    if t != 0.0:
+        seed = tl.load(seed_ptr + row) ^ (tl.cast(step, tl.int64) << 32)
+        pos = tl.load(len_ptr + row).to(tl.int64) + step + SALT
+        if HAS_KEYS:
+            keys = tl.load(key_ptr + cols, mask=ok, other=0)
+        else:
+            keys = cols
+        x = tl.where(ok, _gumbel_noised(x, t, seed, pos, keys), float("-inf"))
+    best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * n_chunks + chunk, best)
+    tl.store(idx_ptr + row * n_chunks + chunk, chunk * BLOCK + where)
+
+
+def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, ctx_lens: torch.Tensor,
+                  step: int, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`.gumbel.sample` of draft step ``step`` (seeds and positions derived here):
+    indices ``[N]`` int64 into the columns of ``x [N, V]``."""
+    n, cols = x.shape
+    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    if n:
+        block = min(4096, triton.next_power_of_2(cols))
+        chunks = triton.cdiv(cols, block)
+        vals = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
+        idx = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
+        _gumbel_chunks_kernel[(n, chunks)](x, temperature, seeds, ctx_lens, x if keys is None else keys, vals,
+                                           idx, step, cols, x.stride(0), chunks, SALT=SALT,
+                                           HAS_KEYS=keys is not None, BLOCK=block, num_warps=8)
+        _argmax_rows_kernel[(n,)](vals, idx, out, chunks,
+                                  CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=1)
+    return out
+
+
+# ------------------------------------------------------ DSpark's Markov step ---
+# ``pick(base + (e @ w.T) * scale)``: the bias is rounded to the dtype as F.linear stores it, its
+# scaled value and the sum as PyTorch would store them; nothing [R, V] is stored.
+# One program per BLOCK columns and up to 64 rows: the bias weights are read once per step
+# (per 64 requests). TILE: (columns per program, warps, pipeline stages), as benchmarks/markov_step.py
+# measured them on the H200.
+TILE = (128, 4, 3)
+
+@triton.jit(do_not_specialize=["step"])
+def _markov_chunks_kernel(base_ptr, e_ptr, w_ptr, t_ptr, seed_ptr, len_ptr, key_ptr, val_ptr, idx_ptr,
+                          step, n_rows, n_cols, base_stride, n_chunks, scale,
+                          ROWS: tl.constexpr, RANK: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
+                          SCALED: tl.constexpr, SAMPLED: tl.constexpr, HAS_KEYS: tl.constexpr,
+                          IEEE: tl.constexpr, SALT: tl.constexpr):
+    chunk = tl.program_id(0)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    row_ok, col_ok = rows < n_rows, cols < n_cols
+    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    for k0 in range(0, RANK, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < RANK
+        e = tl.load(e_ptr + rows[:, None] * RANK + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * RANK + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        if IEEE:
+            acc = tl.dot(e, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(e, tl.trans(w), acc)
+    dt = base_ptr.dtype.element_ty
+    y = acc.to(dt)
+    if SCALED:
+        y = (y.to(tl.float32) * scale).to(dt)
+    ok = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(base_ptr + rows[:, None].to(tl.int64) * base_stride + cols[None, :], mask=ok, other=0.0)
+    x = (x.to(tl.float32) + y.to(tl.float32)).to(dt).to(tl.float32)
+    if SAMPLED:
+        t = tl.load(t_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        seed = tl.load(seed_ptr + rows, mask=row_ok, other=0)[:, None] ^ (tl.cast(step, tl.int64) << 32)
+        pos = tl.load(len_ptr + rows, mask=row_ok, other=0).to(tl.int64)[:, None] + step + SALT
+        if HAS_KEYS:
+            keys = tl.load(key_ptr + cols, mask=col_ok, other=0)[None, :]
+        else:
+            keys = cols[None, :]
+        x = _gumbel_noised(x, t, seed, pos, keys)
+    x = tl.where(ok, x, float("-inf"))
+    best, where = tl.max(x, axis=1, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + rows * n_chunks + chunk, best, mask=row_ok)
+    tl.store(idx_ptr + rows * n_chunks + chunk, chunk * BLOCK + where, mask=row_ok)
+
+
+def markov_pick(base: torch.Tensor, e: torch.Tensor, w: torch.Tensor, scale: float,
+                temperature: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
+                ctx_lens: torch.Tensor | None = None, step: int = 0,
+                keys: torch.Tensor | None = None) -> torch.Tensor:
+    """One step of DSpark's Markov head: indices ``[R]`` (int64, draft vocabulary) of
+    ``base [R, V] + (e [R, r] @ w [V, r].T) * scale``: the argmax, or with ``temperature`` the
+    seeded sample of draft ``step`` (:func:`gumbel_argmax`'s keying)."""
+    n, cols = base.shape
+    rank = w.shape[1]
+    out = torch.empty(n, dtype=torch.int64, device=base.device)
+    if n == 0:
+        return out
+    block, warps, stages = TILE
+    bk = min(64, max(16, triton.next_power_of_2(rank)))   # rank per dot (masked past the rank)
+    rows = min(64, max(16, triton.next_power_of_2(n)))    # requests per program (tl.dot: >= 16)
+    chunks = triton.cdiv(cols, block)
+    vals = torch.empty(n, chunks, dtype=torch.float32, device=base.device)
+    idx = torch.empty(n, chunks, dtype=torch.int32, device=base.device)
+    sampled = temperature is not None
+    e, w = e.contiguous(), w.contiguous()
+    _markov_chunks_kernel[(chunks, triton.cdiv(n, rows))](
+        base, e, w, temperature if sampled else vals, seeds if sampled else vals,
+        ctx_lens if sampled else vals, base if keys is None else keys, vals, idx, step, n, cols,
+        base.stride(0), chunks, float(scale), ROWS=rows, RANK=rank,
+        BLOCK=block, BK=bk, SCALED=scale != 1.0, SAMPLED=sampled, HAS_KEYS=keys is not None,
+        IEEE=base.dtype == torch.float32, SALT=SALT, num_warps=warps, num_stages=stages)
+    _argmax_rows_kernel[(n,)](vals, idx, out, chunks, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)),
+                              num_warps=1)
+    return out
