@@ -137,6 +137,14 @@ def markov(device: str, dtype: torch.dtype, gen: torch.Generator, shapes=SHAPES)
                 if not sampling:
                     assert torch.equal(got.cpu(), planted), "markov_pick: the planted winner"
                 clear, total = clear + int(sure.sum()), total + rows
+        # in a sampled batch a request at temperature 0 drafts exactly its greedy draft (no planted
+        # winner here: noise added to a cold row would move its pick)
+        plain, cold = rnd(rows, cols) * 2, temps == 0
+        for ops in (ops_torch, ops_triton):
+            greedy = ops.markov_pick(plain, e, w, scale)
+            sampled = ops.markov_pick(plain, e, w, scale, temps, seeds, lens, 1)
+            assert torch.equal(sampled[cold], greedy[cold]), f"{ops.__name__}: a cold row was sampled"
+            assert (sampled[~cold] != greedy[~cold]).any(), f"{ops.__name__}: no hot row was sampled"
     assert clear >= total * 3 // 4, (clear, total)                        # not vacuous
     # each stored value rounded as PyTorch stores it: 1 + 2**-9 is 1 in bfloat16, a tie the first
     # index wins; 1 + 2**-6 wins, 1 + 2**-6 x 0.25 rounds to 1
