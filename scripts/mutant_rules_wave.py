@@ -31,7 +31,7 @@ WAVE_MUTANTS = (
            D + "gumbel.py", "SALT = 1 << 30", "SALT = 0", ("tests/test_dspark_vllm_module.py",), V33),
     Mutant("dspark-demo-always-ok", "the DSpark demo fails when a step got no drafts", "demo/dspark.py",
            '    return 0 if result["steps_without_drafts"] == 0 else 1', "    return 0",
-           ("tests/test_e2e_demo.py", "tests/test_demo_rules.py")),
+           ("tests/test_demo_rules.py",)),
     # ------------------------------------------------------------- test builders (k3_accel.testing)
     Mutant("tiny-draft-layers-misnamed", "a tiny DFlash draft lists its target layers where vLLM reads them",
            "testing/tiny.py", '"target_layer_ids": list(target_layer_ids)', '"layers": list(target_layer_ids)',

@@ -5,11 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from helpers.ports import free_port
 from k3_accel.demo.checkpoints import build_tiny
+from k3_accel.demo.dspark import K, _speculate, exit_status
 from k3_accel.demo.main import DemoError, DemoOptions
 from k3_accel.demo.scenario import Round, Run, Scenario, ScenarioError
+from k3_accel.testing.target_data import target_sequences
+from k3_accel.testing.tiny import write_tiny_target
 from k3_accel.testing.tiny_lm import RECORD
+from k3_accel.transport.api import ClientSettings
+from k3_accel.transport.client import DraftClient
 
 
 def _checkpoint(tmp_path, name: str) -> str:
@@ -58,3 +65,23 @@ def test_the_default_demo_trains_its_target_and_untrained_is_random(tmp_path):
     random_target, _ = build_tiny(tmp_path / "random", with_draft=False, trained=False)
     assert not (tmp_path / "random" / "target" / RECORD).exists()
     assert trained != random_target
+
+
+def test_the_dspark_demo_fails_when_a_step_gets_no_drafts(tmp_path):
+    """The DSpark demo's drafting loop against a server that is not there: every step fails closed
+    (no drafts), the loop counts them, and the demo's verdict is a failure; with every step drafted
+    it is a success."""
+    target = write_tiny_target(tmp_path / "target", num_layers=2)
+    layers, hidden = (0, 1), 128
+    data = target_sequences(target, layers, (8,), 2, 3 * K, seed=1)
+    client = DraftClient(ClientSettings(
+        address=f"tcp://127.0.0.1:{free_port()}", timeout_ms=200, propose_timeout_ms=200, ring_depth=0,
+        context_width=len(layers) * hidden, hidden_dtype=torch.float32, num_speculative_tokens=K,
+        target_vocab_size=512, hidden_size=hidden, aux_layer_ids=layers, draft={"engine": "dspark"})).start(wait_s=0.2)
+    try:
+        counts = _speculate(client, data)
+    finally:
+        client.close()
+    assert counts["steps"] > 0 and counts["steps_without_drafts"] == counts["steps"]
+    assert exit_status(counts) == 1
+    assert exit_status({**counts, "steps_without_drafts": 0}) == 0

@@ -1,5 +1,6 @@
 #!/bin/bash
-# On the GPU machine, from the repository root: the DSpark draft-step benchmark, then the
+# On the GPU machine, from the repository root: the DSpark draft-step benchmark, its fused Markov
+# step against the two-kernel one (markov_step.py), then the
 # GPU-marked DSpark tests (and the DFlash ones, whose graph runner DSpark shares, if time is left).
 # Results and logs go to $OUT (default /tmp/draft-step-dspark); about 4 minutes at most.
 # conftest.py imports pyzmq, which the GPU image lacks: these tests need none of it.
@@ -14,6 +15,8 @@ timeout "${BENCH_TIMEOUT:-110}" python3 benchmarks/draft_step_dspark.py --out "$
     > "$OUT/bench.log" 2>&1
 echo "benchmark rc=$? after $((SECONDS - start)) s"
 grep -E "^\{|Error|error|\"ratio\"" "$OUT/bench.log" | tail -40
+timeout 60 python3 benchmarks/markov_step.py --tiles 128:4:3 --out "$OUT/markov-step.json" > "$OUT/markov.log" 2>&1
+echo "markov step rc=$? after $((SECONDS - start)) s"; grep -E '"ratio"' "$OUT/markov.log"
 timeout "${TEST_TIMEOUT:-100}" python3 -m pytest -q --noconftest -p no:cacheprovider \
     tests/test_dspark_gpu.py > "$OUT/gpu-tests.log" 2>&1
 echo "dspark gpu tests rc=$? after $((SECONDS - start)) s"

