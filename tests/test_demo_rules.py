@@ -72,12 +72,13 @@ def test_the_dspark_demo_fails_when_a_step_gets_no_drafts(tmp_path):
     (no drafts), the loop counts them, and the demo's verdict is a failure; with every step drafted
     it is a success."""
     target = write_tiny_target(tmp_path / "target", num_layers=2)
-    layers, hidden = (0, 1), 128
+    config = json.loads((target / "config.json").read_text())
+    layers, hidden = (0, 1), config["hidden_size"]
     data = target_sequences(target, layers, (8,), 2, 3 * K, seed=1)
     client = DraftClient(ClientSettings(
         address=f"tcp://127.0.0.1:{free_port()}", timeout_ms=200, propose_timeout_ms=200, ring_depth=0,
         context_width=len(layers) * hidden, hidden_dtype=torch.float32, num_speculative_tokens=K,
-        target_vocab_size=512, hidden_size=hidden, aux_layer_ids=layers, draft={"engine": "dspark"})).start(wait_s=0.2)
+        target_vocab_size=config["vocab_size"], hidden_size=hidden, aux_layer_ids=layers, draft={"engine": "dspark"})).start(wait_s=0.2)
     try:
         counts = _speculate(client, data)
     finally:

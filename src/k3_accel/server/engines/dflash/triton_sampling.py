@@ -33,6 +33,19 @@ def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS_P2: tl.const
     tl.store(out_ptr + row, tl.load(idx_ptr + row * n_chunks + first).to(tl.int64))
 
 
+def _chunk_maxima(n: int, chunks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-chunk maxima and their column indices ``[n, chunks]``, filled by a chunks kernel."""
+    return (torch.empty(n, chunks, dtype=torch.float32, device=device),
+            torch.empty(n, chunks, dtype=torch.int32, device=device))
+
+
+def _first_max(vals: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out [n]``: each row's column of its first maximum, from its per-chunk maxima."""
+    n, chunks = vals.shape
+    _argmax_rows_kernel[(n,)](vals, idx, out, chunks, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=1)
+    return out
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of the first maximum of each row of ``x [N, V]`` (int64), in two passes: per-chunk
     maxima over the whole device, then one small pass per row."""
@@ -41,11 +54,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if n:
         block = min(8192, triton.next_power_of_2(cols))
         chunks = triton.cdiv(cols, block)
-        vals = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
-        idx = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
+        vals, idx = _chunk_maxima(n, chunks, x.device)
         _argmax_chunks_kernel[(n, chunks)](x, vals, idx, cols, x.stride(0), chunks, BLOCK=block, num_warps=8)
-        _argmax_rows_kernel[(n,)](vals, idx, out, chunks,
-                                  CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=1)
+        _first_max(vals, idx, out)
     return out
 
 
@@ -126,13 +137,11 @@ def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tenso
     if n:
         block = min(4096, triton.next_power_of_2(cols))
         chunks = triton.cdiv(cols, block)
-        vals = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
-        idx = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
+        vals, idx = _chunk_maxima(n, chunks, x.device)
         _gumbel_chunks_kernel[(n, chunks)](x, temperature, seeds, ctx_lens, x if keys is None else keys, vals,
                                            idx, step, cols, x.stride(0), chunks, SALT=SALT,
                                            HAS_KEYS=keys is not None, BLOCK=block, num_warps=8)
-        _argmax_rows_kernel[(n,)](vals, idx, out, chunks,
-                                  CHUNKS_P2=max(2, triton.next_power_of_2(chunks)), num_warps=1)
+        _first_max(vals, idx, out)
     return out
 
 
@@ -203,8 +212,7 @@ def markov_pick(base: torch.Tensor, e: torch.Tensor, w: torch.Tensor, scale: flo
     bk = min(64, max(16, triton.next_power_of_2(rank)))   # rank per dot (masked past the rank)
     rows = min(64, max(16, triton.next_power_of_2(n)))    # requests per program (tl.dot: >= 16)
     chunks = triton.cdiv(cols, block)
-    vals = torch.empty(n, chunks, dtype=torch.float32, device=base.device)
-    idx = torch.empty(n, chunks, dtype=torch.int32, device=base.device)
+    vals, idx = _chunk_maxima(n, chunks, base.device)
     sampled = temperature is not None
     e, w = e.contiguous(), w.contiguous()
     _markov_chunks_kernel[(chunks, triton.cdiv(n, rows))](
@@ -213,6 +221,4 @@ def markov_pick(base: torch.Tensor, e: torch.Tensor, w: torch.Tensor, scale: flo
         base.stride(0), chunks, float(scale), ROWS=rows, RANK=rank,
         BLOCK=block, BK=bk, SCALED=scale != 1.0, SAMPLED=sampled, HAS_KEYS=keys is not None,
         IEEE=base.dtype == torch.float32, SALT=SALT, num_warps=warps, num_stages=stages)
-    _argmax_rows_kernel[(n,)](vals, idx, out, chunks, CHUNKS_P2=max(2, triton.next_power_of_2(chunks)),
-                              num_warps=1)
-    return out
+    return _first_max(vals, idx, out)
