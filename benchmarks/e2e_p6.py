@@ -236,8 +236,11 @@ def _save(doc: dict, out: str | None) -> None:
 # slot for a position the plugin reports with confidence 0; ``adaptive_gate`` is ``auto``, so the
 # scheduler gate is on: while the controller has speculation off the scheduler schedules plain
 # decodes (docs/remote-drafting-v2.md);
-# adaptive-av-nogate: the same with the gate forced off; adaptive-gate(-av): the gate forced on
+# adaptive-av-nogate: the same with the gate forced off; adaptive-gate(-av): the gate forced on;
+# *-host: the same with the device data plane off (hidden rows through pinned memory and the socket)
 VARIANTS = {"fixed": ({}, {"adaptive": False}),
+            "fixed-host": ({}, {"adaptive": False, "device_plane": "off"}),
+            "adaptive-av-host": ({"enable_adaptive_verification": True}, {"adaptive": True, "device_plane": "off"}),
             "adaptive": ({}, {"adaptive": True}),
             "adaptive-av": ({"enable_adaptive_verification": True}, {"adaptive": True}),
             "adaptive-av-nogate": ({"enable_adaptive_verification": True}, {"adaptive": True, "adaptive_gate": "off"}),

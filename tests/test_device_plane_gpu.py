@@ -142,6 +142,63 @@ def test_rows_in_the_slot_survive_the_target_overwriting_its_buffers(server):
         ref.close()
 
 
+def v2_batch(tokens, hidden, lo: int, n: int):
+    """One request's rows ``lo .. lo + n`` as vLLM's V2 runner hands them to ``propose`` (an
+    ``InputBatch`` stand-in on CUDA, the aux rows as two layers), the next token sampled."""
+    import types
+
+    import numpy as np
+    qsl = np.array([0, n], dtype=np.int32)
+    batch = types.SimpleNamespace(
+        req_ids=["v"], num_reqs=1, idx_mapping=torch.zeros(1, dtype=torch.int32, device=DEV),
+        idx_mapping_np=np.zeros(1, dtype=np.int32), query_start_loc=torch.from_numpy(qsl).to(DEV),
+        query_start_loc_np=qsl, input_ids=tokens[lo:lo + n].to(torch.int32),
+        positions=torch.arange(lo, lo + n, device=DEV))
+    rows = hidden[lo:lo + n]
+    last = torch.zeros(4, 1, dtype=torch.int64, device=DEV)
+    last[0, 0] = tokens[lo + n]
+    return (batch, [rows[:, : WIDTH // 2].contiguous(), rows[:, WIDTH // 2:].contiguous()],
+            torch.ones(1, dtype=torch.int32, device=DEV), torch.zeros(1, dtype=torch.int32, device=DEV), last,
+            torch.zeros(1, 4, dtype=torch.int32, device=DEV))
+
+
+def test_the_v2_launch_compacts_into_the_ring_and_drafts_like_the_host_path(server):
+    """V2 on the device plane: the launch writes the step's rows into a slot of the client's ring on
+    the compute stream (no host read), the messages name it; a chunk longer than a slot takes the
+    host path. The drafts are those of a client on the host path, step for step."""
+    import numpy as np
+
+    from helpers.standin import no_host_sync
+    from k3_accel.vllm.spec_decode.v2_launch import DeviceRows, LaunchSlots, launch
+    ring = DeviceRing(4, 48, WIDTH, torch.bfloat16, DEV)
+    on, off = client(server.address, ring=ring), client(server.address, device_plane="off")
+    tokens, hidden = context(100, seed=17)
+    try:
+        assert on.stats()["device_plane"]["path"] == "device"
+        got, want, named = [], [], []
+        for lo, n in [(0, 60), (60, 30), *((90 + i, 1) for i in range(6))]:    # 60 rows > a slot's 48
+            for c, r in ((on, ring), (off, None)):
+                rows = DeviceRows(64, WIDTH, torch.bfloat16, 4, DEV)
+                slots = LaunchSlots(2, 64, WIDTH, torch.bfloat16, 4, pin=True)
+                with no_host_sync():
+                    step = launch(rows, slots, *v2_batch(tokens, hidden, lo, n), np.arange(1), K, {}, None, 5.0,
+                                  ring=r)
+                step.wait_ready()
+                inp = step.step_input()
+                if r is not None:
+                    named.append(ring.slot_of(inp.hidden) is not None)
+                (got if r is not None else want).append(c.step(inp).drafts.tolist())
+                step.release()
+        on.flush()
+        assert named == [False] + [True] * 7                      # the long chunk went through pinned memory
+        assert got == want and all(x >= 0 for x in want[-1][0])  # the same drafts, and real ones
+        assert not failures(on) and not failures(off)
+        assert ring.holds == [0] * ring.depth
+    finally:
+        on.close()
+        off.close()
+
+
 def test_a_handle_that_does_not_open_falls_back_to_the_host_path(server):
     class Corrupt(DeviceRing):
         def export(self):

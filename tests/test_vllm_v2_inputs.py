@@ -129,3 +129,65 @@ def test_trimmed_verification_rows_past_the_device_end_are_ignored(sim):
     assert inp.counts == [2] and inp.token_ids.tolist() == [6, 50] and inp.positions.tolist() == [5, 6]
     assert not (inp.hidden == -7.0).any() and inp.anchor_positions.tolist() == [7]
     assert inp.num_verified == [2]                    # what the device ran, not the host's upper bound
+
+
+# ------------------------------------------------- the device plane's ring (the launch's side of it)
+def _launch(sim: Sim, sched, ring=None, capacity=MAX_TOKENS):
+    ib, aux, num_sampled, num_rejected = sim.batch(sched)
+    rs = sim.req_states
+    width = HIDDEN * len(AUX_LAYERS)
+    rows = v2_launch.DeviceRows(capacity, width, torch.bfloat16, sim.max_num_reqs, torch.device("cpu"))
+    slots = v2_launch.LaunchSlots(2, capacity, width, torch.bfloat16, sim.max_num_reqs, pin=False)
+    step = v2_launch.launch(rows, slots, ib, aux, num_sampled, num_rejected, rs.last_sampled_tokens,
+                            rs.next_prefill_tokens, np.arange(len(sched)), K, {}, None, 1.0, ring=ring)
+    step.wait_ready()
+    return step
+
+
+def _mixed(sim: Sim):
+    sim.add("dec", list(range(10, 20)))
+    sim.add("pre", list(range(30, 50)))
+    return [Sched("dec", 10, [19, 100, 101, 102, 103], sampled=77, rejected=3, drafts=4),
+            Sched("pre", 0, list(range(30, 38)), next_prompt=38)]
+
+
+def test_a_launch_on_the_device_plane_names_its_ring_slot_with_the_host_paths_rows(sim):
+    from helpers.standin import host_ring
+    sched = _mixed(sim)
+    want = _launch(sim, sched).step_input()
+    ring = host_ring(2, 16, HIDDEN * len(AUX_LAYERS))
+    steps = [_launch(sim, sched, ring) for _ in range(2)]
+    inps = [s.step_input() for s in steps]
+    # each step's rows are a view of its own slot, from its first row: the transport names the slot
+    assert [ring.slot_of(i.hidden) for i in inps] == [(0, 0), (1, 0)]
+    for inp in inps:
+        assert torch.equal(inp.hidden, want.hidden) and inp.counts == want.counts
+        assert inp.token_ids.tolist() == want.token_ids.tolist()
+    assert ring.holds == [1, 1]                   # each held by its launch until the draft thread is done
+    for s in steps:
+        s.release()
+        s.release()                               # idempotent: a hold is given back once
+    assert ring.holds == [0, 0]
+
+
+def test_no_free_slot_or_too_many_rows_takes_the_host_path_at_once(sim):
+    from helpers.standin import host_ring
+    sched = _mixed(sim)
+    want = _launch(sim, sched).step_input()
+    ring = host_ring(2, 16, HIDDEN * len(AUX_LAYERS))
+    ring.hold(0)                                  # a message in flight still names the next slot:
+    other = _launch(sim, sched, ring)             # the one after it is taken
+    assert other.ring_slot == 1 and ring.holds == [1, 1]
+    busy = _launch(sim, sched, ring)              # every slot named: this step does not wait for one
+    inp = busy.step_input()
+    assert busy.ring_slot is None and ring.slot_of(inp.hidden) is None and ring.holds == [1, 1]
+    assert torch.equal(inp.hidden, want.hidden)   # the same rows, through pinned memory
+    busy.release()
+    other.release()
+    ring.release(0)
+    assert ring.holds == [0, 0]
+    small = host_ring(2, 12, HIDDEN * len(AUX_LAYERS))     # the step runs 13 rows: more than a slot holds
+    big = _launch(sim, sched, small)
+    assert big.ring_slot is None and torch.equal(big.step_input().hidden, want.hidden)
+    big.release()
+    assert small.holds == [0, 0]

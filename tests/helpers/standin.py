@@ -127,3 +127,14 @@ def DeviceSim(*args, **kwargs):   # noqa: N802 - a class factory (v2_sim needs v
     """A ``helpers.v2_sim.Sim`` whose ``propose`` hands the speculator device stand-ins only and
     runs inside :func:`no_host_sync`."""
     return _device_sim()(*args, **kwargs)
+
+
+def host_ring(depth: int, capacity: int, width: int, dtype: torch.dtype = torch.bfloat16):
+    """A :class:`~k3_accel.transport.device_plane.DeviceRing` whose slots are host memory: the
+    ring's slot rules and the V2 launch's use of them on a machine without CUDA (its CUDA events,
+    the only part missing here, are not touched when there is no compute stream)."""
+    from k3_accel.transport.device_plane import DeviceRing
+    ring = DeviceRing.__new__(DeviceRing)
+    ring.device = torch.device("cpu")
+    ring._slots(depth, capacity, width, dtype, [None] * depth)
+    return ring

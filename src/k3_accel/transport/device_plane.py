@@ -50,9 +50,12 @@ class DeviceRing:
             raise ipc.IpcError(f"a device ring needs a CUDA device, not {self.device}")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._slots(depth, capacity, width, dtype, [ipc.new_event(self.device) for _ in range(depth)])
+
+    def _slots(self, depth: int, capacity: int, width: int, dtype: torch.dtype, ready: list[Any]) -> None:
         self.capacity, self.width, self.dtype = capacity, width, dtype
         self.hidden = [torch.empty((capacity, width), dtype=dtype, device=self.device) for _ in range(depth)]
-        self.ready = [ipc.new_event(self.device) for _ in range(depth)]
+        self.ready = ready
         self.released: list[Any] = [None] * depth
         self.holds = [0] * depth
         self._next = 0
@@ -112,6 +115,19 @@ class DeviceRing:
         """Host wait until no message names slot ``i`` (its replies came); False at the timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: self.holds[i] == 0, timeout)
+
+    def take(self) -> int | None:
+        """The first slot from the next one on (round robin) that no message names now, held once
+        for the caller; None without waiting when every slot is named (the V2 launch: the step
+        thread never waits for a reply)."""
+        with self._cond:
+            for j in range(self.depth):
+                i = (self._next + j) % self.depth
+                if self.holds[i] == 0:
+                    self.holds[i] = 1
+                    self._next = (i + 1) % self.depth
+                    return i
+            return None
 
     def acquire(self, deadline: float, progress: Callable[[Any, float], None]) -> int:
         """The next slot (round robin) once no message names it; ``progress`` reads replies meanwhile."""

@@ -96,13 +96,15 @@ class RemoteDrafter:
         self.known = KnownRequests()
         self.session: Any = None
 
-    def open(self, vllm_config: Any, device: torch.device | str, device_rows: bool = False) -> None:
+    def open(self, vllm_config: Any, device: torch.device | str, device_rows: bool = False,
+             ring: bool = False) -> None:
         """Connect (TP rank 0) and join the broadcast; idempotent while open. ``device_rows``: the
-        steps hand the transport hidden rows on ``device`` (V1), which the device plane may carry."""
+        steps hand the transport hidden rows on ``device`` (V1), which the device plane may carry;
+        ``ring``: the V2 launch compacts them into the session's device ring."""
         if self.session is None:
             from k3_accel.vllm.spec_decode.session import RemoteDraftSession
             self.device = torch.device(device)
-            self.session = RemoteDraftSession(vllm_config, self.device, self.failures, device_rows)
+            self.session = RemoteDraftSession(vllm_config, self.device, self.failures, device_rows, ring)
 
     @property
     def ships_hidden(self) -> bool:

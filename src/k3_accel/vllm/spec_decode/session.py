@@ -12,6 +12,7 @@ CPU (gloo) group for host tensors. A failure there fails the step closed.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
@@ -88,8 +89,9 @@ def target_facts(vllm_config: Any) -> TargetFacts:
 def client_settings(vllm_config: Any, facts: TargetFacts, rows_on: torch.device | None = None) -> ClientSettings:
     """The transport settings of this engine (the plugin config plus the target's facts).
     ``rows_on``: the CUDA device the steps' hidden rows are on, when they are handed to the
-    transport there (V1): only then may the device plane carry them (its ring is allocated now,
-    before vLLM profiles memory); else the plane is off and no device ring is made."""
+    transport there (V1), or compacted by the V2 launch into the session's ring: only then may the
+    device plane carry them (its ring is allocated now, before vLLM profiles memory); else the plane
+    is off and no device ring is made."""
     f = facts
     config = from_vllm(vllm_config)
     on_device = rows_on is not None and rows_on.type == "cuda"
@@ -100,6 +102,28 @@ def client_settings(vllm_config: Any, facts: TargetFacts, rows_on: torch.device 
         target_vocab_size=f.vocab_size, hidden_size=f.hidden_size if f.aux_layer_ids else 0,
         aux_layer_ids=f.aux_layer_ids, max_requests=f.max_num_seqs, client_name=_client_name(vllm_config),
         draft=draft_signature(vllm_config.speculative_config))
+
+
+# the V2 launch's device ring (device plane): slots of one whole decode step's rows each (a step with
+# more rows, a long prefill chunk, takes the host path); enough slots for the draft thread's usual lag
+V2_RING_DEPTH = 4
+
+
+def launch_ring(settings: ClientSettings, facts: TargetFacts):
+    """``(settings, ring)``: the :class:`~k3_accel.transport.device_plane.DeviceRing` the V2 launch
+    compacts a step's hidden rows into, ``V2_RING_DEPTH`` slots of ``max_num_seqs x (1 + K)`` rows
+    (at most ``max_rows``), allocated now, before vLLM profiles memory; ``(settings with the plane
+    off, None)`` when it cannot be made (the reason is logged)."""
+    if settings.device_plane == "off" or settings.device is None or not facts.context_width:
+        return settings, None
+    from k3_accel.transport.device_plane import DeviceRing
+    rows = min(facts.max_rows, max(facts.max_num_seqs, 1) * (1 + facts.num_speculative_tokens))
+    try:
+        return settings, DeviceRing(V2_RING_DEPTH, rows, facts.context_width, facts.hidden_dtype, settings.device)
+    except Exception as exc:  # noqa: BLE001 - the host path always works
+        log.warning("k3-accel: no device ring for the V2 launch (%s: %s); hidden rows take the host path",
+                    type(exc).__name__, exc)
+        return dataclasses.replace(settings, device_plane="off"), None
 
 
 def make_controller(config: Any, facts: TargetFacts):
@@ -150,7 +174,10 @@ DEADLINE_MARGIN_S = 0.05
 class RemoteDraftSession:
     """The rank-0 draft thread plus the broadcast that gives every TP rank the same drafts."""
 
-    def __init__(self, vllm_config: Any, device: torch.device, failures: FailureLog, device_rows: bool = False):
+    def __init__(self, vllm_config: Any, device: torch.device, failures: FailureLog, device_rows: bool = False,
+                 ring: bool = False):
+        """``device_rows``: steps hand the transport hidden rows on ``device`` (V1); ``ring``: the V2
+        launch compacts them into a device ring of the session's own (:func:`launch_ring`)."""
         self.facts = target_facts(vllm_config)
         self.device = device
         self.failures = failures
@@ -158,14 +185,18 @@ class RemoteDraftSession:
         self._broadcast = broadcaster(self.group, device)
         self.pipeline = None
         self.settings = None
+        self.ring = None
         if self.group.rank_in_group == 0:
             from k3_accel.transport.client import DraftClient
             from k3_accel.vllm.spec_decode.fence import make_fence
             from k3_accel.vllm.spec_decode.gate import Gate
             from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
-            self.settings = settings = client_settings(vllm_config, self.facts, device if device_rows else None)
+            settings = client_settings(vllm_config, self.facts, device if device_rows or ring else None)
+            if ring:
+                settings, self.ring = launch_ring(settings, self.facts)
+            self.settings = settings
             controller = make_controller(from_vllm(vllm_config), self.facts)
-            self.pipeline = DraftPipeline(DraftClient(settings), make_fence(device), self.facts.max_num_seqs,
+            self.pipeline = DraftPipeline(DraftClient(settings, self.ring), make_fence(device), self.facts.max_num_seqs,
                                           self.facts.num_speculative_tokens, self._thread_failure,
                                           controller=controller,
                                           gate=None if controller is None else Gate.for_engine(vllm_config, True),
@@ -180,6 +211,11 @@ class RemoteDraftSession:
     @property
     def ships_hidden(self) -> bool:
         return self.facts.context_width > 0
+
+    def plane_ring(self):
+        """The V2 launch's ring while the server has it (the device plane is on), else None."""
+        client = self.client
+        return self.ring if self.ring is not None and client is not None and client.plane.on else None
 
     @property
     def is_driver(self) -> bool:

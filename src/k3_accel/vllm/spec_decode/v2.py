@@ -144,7 +144,7 @@ class RemoteSpeculatorMixin:
         self.rows = self.slots = None
         self.disabled: str | None = None
         try:
-            self.core.open(vllm_config, self.device)
+            self.core.open(vllm_config, self.device, ring=self.device.type == "cuda")
             session = self.core.session
             if session.is_driver:      # every device buffer now, at its final size (vLLM profiles after)
                 f = session.facts
@@ -186,7 +186,8 @@ class RemoteSpeculatorMixin:
         """Drafts ``[num_reqs, num_speculative_tokens]`` int64 on the device.
 
         Nothing here blocks the host on the GPU or on the server: the step's
-        context is launched device -> pinned host (:mod:`.v2_launch`), the
+        context is launched device -> pinned host, or into the device plane's
+        ring (:mod:`.v2_launch`), the
         draft thread (:mod:`.pipeline`) ships it, and when a request may draft
         the compute stream waits (:mod:`.fence`) for the reply, copied into
         the returned buffer. Where the server gave no draft the column holds
@@ -249,7 +250,7 @@ class RemoteSpeculatorMixin:
             step = launch(self.rows, self.slots, input_batch, aux if session.ships_hidden else None,
                           num_sampled, num_rejected, last_sampled, next_prefill_tokens, keep, k,
                           history_rows(input_batch, keep, fresh), self._token_rows(), self._slot_wait_s(session),
-                          self._sampling if k > 0 else None)
+                          self._sampling if k > 0 else None, session.plane_ring())
             return session.pipeline.submit(step, propose=k > 0, held=held)
         except Exception:  # noqa: BLE001 - fail closed
             self.core.failures.record("step_input", "launching the step's context")

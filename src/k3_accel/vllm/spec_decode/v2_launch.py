@@ -15,6 +15,11 @@ only the GPU knows yet: how many rows of each verify block were accepted
 2. on a side stream, those buffers are copied into a pinned launch slot;
    the event that completes with the copy is waited on by the draft thread
    (:mod:`.pipeline`), which then reads the meta and builds the step input.
+   On the device data plane (``ring``: the client's
+   :class:`~k3_accel.transport.device_plane.DeviceRing`, when the server took it) the
+   hidden rows instead go, on the compute stream, into a free ring slot, which the
+   step's messages name (no hidden bytes cross the host); with no slot free at once,
+   or more rows than a slot holds (a long prefill chunk), the step takes the host path.
 
 The device buffers are allocated once, at their final size, when the
 speculator is built (before vLLM profiles memory); the next step's scatter
@@ -191,6 +196,8 @@ class Launch:
     width: int = 0
     prompts: dict[str, torch.Tensor] = field(default_factory=dict)   # token rows of requests to attach
     sampled: bool = False             # meta carries temperatures and seeds
+    ring: Any = None                  # the device ring holding the hidden rows (device plane), or None
+    ring_slot: int | None = None
     _released: bool = False
 
     def wait_ready(self) -> None:
@@ -201,6 +208,8 @@ class Launch:
         if not self._released:
             self._released = True
             self.slots.release(self.slot)
+            if self.ring_slot is not None:
+                self.ring.release(self.ring_slot)
 
     def step_input(self) -> StepInput:
         """The step's input from the pinned slot (call after :meth:`wait_ready`)."""
@@ -212,7 +221,7 @@ class Launch:
             raise ValueError(f"request {self.req_ids[keep[bad]]!r}: no valid context row this step")
         total = int(valid.sum())
         positions = np.repeat(first - (np.cumsum(valid) - valid), valid) + np.arange(total, dtype=np.int64)
-        hidden = self.slots.hidden[self.slot]
+        hidden = self.slots.hidden[self.slot] if self.ring_slot is None else self.ring.hidden[self.ring_slot]
         return StepInput(
             req_ids=[self.req_ids[i] for i in keep.tolist()], counts=valid.tolist(),
             positions=torch.from_numpy(positions), token_ids=self.slots.token_ids[self.slot][:total],
@@ -245,13 +254,14 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
            num_sampled: torch.Tensor, num_rejected: torch.Tensor, last_sampled: torch.Tensor,
            next_prefill_tokens: torch.Tensor, keep: np.ndarray, k: int, prompts: dict[str, tuple[int, int]],
            all_token_ids: torch.Tensor | None, slot_timeout: float,
-           sampling: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
+           sampling: tuple[torch.Tensor, torch.Tensor] | None = None, ring: Any = None) -> Launch:
     """Launch the step's copies (see the module docstring); no host read of device data.
 
     ``prompts``: request id -> (batch index, tokens) of token-id rows to copy for requests the
     transport must attach (prefix-cache hits, requests that draft again), read from
     ``all_token_ids`` (vLLM's ``[max_reqs, max_model_len]`` by slot). ``sampling``: the runner's
     ``(temperature [max_reqs] float32, seeds [max_reqs] int64)`` by slot, for sampled drafts.
+    ``ring``: the device plane's ring, when it is on (see the module docstring).
     """
     r = int(input_batch.num_reqs)
     qsl_np = np.asarray(input_batch.query_start_loc_np[: r + 1], dtype=np.int64)
@@ -266,6 +276,7 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
     if compute is not None and rows.copied is not None:
         compute.wait_event(rows.copied)          # the previous copy out of the buffers is done (GPU side)
     slot = slots.acquire(slot_timeout, rows=n)
+    ring_slot = ring.take() if ring is not None and aux and rows.hidden is not None and n <= ring.capacity else None
     try:
         kept = np.zeros(r, dtype=np.int64)
         kept[keep] = 1
@@ -285,20 +296,25 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
                 hw = h.shape[-1]
                 rows.hidden[:, width:width + hw].index_copy_(0, dst, h[:n])
                 width += hw
+            if ring_slot is not None:
+                _to_ring(ring, ring_slot, rows.hidden[:n], compute)
         prompt_rows = {}
         if prompts and all_token_ids is not None:
             for rid, (i, count) in prompts.items():
                 src = all_token_ids[int(input_batch.idx_mapping_np[i]), :count]
                 prompt_rows[rid] = torch.empty(count, dtype=torch.int64, pin_memory=rows.cuda and pinning_available())
                 prompt_rows[rid].copy_(src, non_blocking=True)
-        ready = _copy_out(rows, slots, slot, r, n, compute, bool(aux))
-        hidden_bytes = slots.hidden[slot][:n].nbytes if aux and slots.hidden[slot] is not None else 0
+        host_hidden = bool(aux) and ring_slot is None
+        ready = _copy_out(rows, slots, slot, r, n, compute, host_hidden)
+        hidden_bytes = slots.hidden[slot][:n].nbytes if host_hidden and slots.hidden[slot] is not None else 0
         slots.hold(slot, ready, 8 * n + hidden_bytes)
         return Launch(list(input_batch.req_ids[:r]), np.asarray(keep, dtype=np.int64), k, r, slots, slot,
                       ready=ready, width=int(rows.hidden.shape[1]) if (aux and rows.hidden is not None) else 0,
-                      prompts=prompt_rows, sampled=sampling is not None)
+                      prompts=prompt_rows, sampled=sampling is not None, ring=ring, ring_slot=ring_slot)
     except BaseException:
         slots.release(slot)
+        if ring_slot is not None:
+            ring.release(ring_slot)
         raise
 
 
@@ -343,6 +359,16 @@ def _scatter_for(device: torch.device):
 def _to_device(host: np.ndarray, dev: torch.device) -> torch.Tensor:
     t = torch.from_numpy(host)
     return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
+def _to_ring(ring: Any, i: int, hidden: torch.Tensor, compute: Any) -> None:
+    """The step's compacted rows into ring slot ``i`` on the compute stream, after (on the device)
+    the server's read of the slot's last use; the slot's ready event follows the copy."""
+    if compute is not None:
+        ring.before_write(i, compute)
+    ring.hidden[i][:hidden.shape[0]].copy_(hidden, non_blocking=True)
+    if compute is not None:
+        ring.written(i, compute)
 
 
 def _copy_out(rows: DeviceRows, slots: LaunchSlots, slot: int, r: int, n: int, compute: Any,
