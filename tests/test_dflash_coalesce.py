@@ -135,9 +135,9 @@ def test_coalesced_engine_drafts_what_the_reference_drafts_through_any_mix(ckpt,
 
 @pytest.mark.gpu
 def test_rows_read_over_the_device_plane_are_projected_before_their_slot_is_reused(ckpt, ref, projections):
-    """Device-plane rows live in the target's ring slot, which the target refills once the server
-    released it: they are projected in their own ingest, never left waiting, so scribbling over the
-    slot afterwards changes no draft (host rows of the same size do wait)."""
+    """Device rows the caller owns (a ring slot the target refills once released) are projected in
+    their own ingest, never left waiting, so scribbling over them afterwards changes no draft (host
+    rows of the same size do wait)."""
     engine = _engine(ckpt, device="cuda", coalesce_rows=1024)
     m, gen = Mirror(engine), torch.Generator().manual_seed(7)
     states = [m.new() for _ in range(3)]
@@ -155,6 +155,30 @@ def test_rows_read_over_the_device_plane_are_projected_before_their_slot_is_reus
     slot.fill_(float("nan"))                                          # the target reuses the slot
     anchors = [1, 2, 3]
     prop = m.propose(states, anchors, 3)
+    for i, (state, anchor) in enumerate(zip(states, anchors)):
+        want = reference(ref, m.rows[state], anchor, 3)
+        check_logits(prop.logits[i], want, engine.dtype)
+        check_drafts(prop.tokens[i], want, engine.dtype)
+
+
+@pytest.mark.gpu
+def test_device_rows_the_server_owns_wait_like_host_rows(ckpt, ref, projections):
+    """The server reads a target's slot into a buffer of its own (``IngestBatch.owned``): those rows
+    may wait for the next propose like host rows, and the drafts are the reference's."""
+    engine = _engine(ckpt, device="cuda", coalesce_rows=1024)
+    m, gen = Mirror(engine), torch.Generator().manual_seed(9)
+    states = [m.new() for _ in range(3)]
+    m.ingest([(s, 0, random_rows(gen, 5)) for s in states])
+    projections.clear()
+    sent = torch.cat([random_rows(gen, 2) for _ in states])
+    engine.ingest(IngestBatch(states, [5] * 3, [2] * 3, torch.tensor([5, 6] * 3), torch.zeros(6, dtype=torch.long),
+                              sent.to(device="cuda", dtype=engine.dtype), owned=True))
+    assert projections == []                                          # they wait with the host rows
+    for i, s in enumerate(states):
+        m.rows[s] = torch.cat([m.rows[s], sent[2 * i:2 * i + 2]])
+    anchors = [4, 5, 6]
+    prop = m.propose(states, anchors, 3)
+    assert projections == [21]                                        # one projection for all of them
     for i, (state, anchor) in enumerate(zip(states, anchors)):
         want = reference(ref, m.rows[state], anchor, 3)
         check_logits(prop.logits[i], want, engine.dtype)

@@ -254,7 +254,9 @@ def apply(store: RequestStore, rows: RowMessage, admitted: Admitted) -> int:
             starts, counts = starts[changed], counts[changed]
         store.engine.ingest(IngestBatch(
             [admitted.states[j].engine_state for j in changed], starts.tolist(), counts.tolist(),
-            torch.from_numpy(positions), token_tensor(tokens), hidden))
+            torch.from_numpy(positions), token_tensor(tokens), hidden,
+            # rows on a device here are always this server's own read of a target's slot (device_plane)
+            owned=hidden is not None and hidden.device.type != "cpu"))
     for state, start, a, b in zip(admitted.states, rows.starts[idx].tolist(), offsets[:-1].tolist(),
                                   offsets[1:].tolist()):
         state.write_tokens(start, tokens[a:b])

@@ -68,6 +68,8 @@ class IngestBatch:
     positions: torch.Tensor            # [N] int64, CPU
     token_ids: torch.Tensor            # [N] int64, CPU
     hidden: torch.Tensor | None = None # [N, W] (bf16/fp16/fp32), CPU; may view a read-only frame
+    owned: bool = False                # ``hidden`` is on a device and the server's own copy (rows read
+                                       # over the device plane): the engine may keep it past the call
 
 
 @dataclass

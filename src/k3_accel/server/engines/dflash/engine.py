@@ -6,7 +6,8 @@
   forks share full blocks and copy a partial last one (copy on write).
 * Ingest: all new rows of all items in one pass (one host-to-device copy of
   the hidden rows, one fc / norm / K-V projection, one scatter into the pool).
-  Small ingests of host rows (a target's decode steps that draft nothing)
+  Small ingests of host rows, or of device rows the server owns (read over
+  the device plane), such as a target's decode steps that draft nothing,
   are *coalesced*: tables and the copy are done at once, the projection waits
   (up to ``coalesce_rows`` rows) for the next propose, fork, release, rewind
   or large ingest, so a target whose speculation is off costs the device one
@@ -260,9 +261,9 @@ class DFlashEngine(DraftEngine):
                 self._pending.append((torch.from_numpy(index).to(self.device, non_blocking=True),
                                       batch.hidden.to(self.device, non_blocking=True).to(self.dtype)))
                 self._pending_rows += rows
-        if batch.hidden is None or batch.hidden.device.type != "cpu" or \
+        if batch.hidden is None or (batch.hidden.device.type != "cpu" and not batch.owned) or \
                 not rows * 4 <= self.coalesce_rows or self._pending_rows >= self.coalesce_rows:
-            self.flush()                 # device rows belong to their ring slot; large ingests go now
+            self.flush()                 # device rows the caller owns may change after the call; large ingests go now
         self._stats["ingest_rows"] = rows
         self._stats["ingest_seconds"] = time.perf_counter() - start
 
