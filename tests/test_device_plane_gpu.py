@@ -180,9 +180,10 @@ def test_the_v2_launch_compacts_into_the_ring_and_drafts_like_the_host_path(serv
             for c, r in ((on, ring), (off, None)):
                 rows = DeviceRows(64, WIDTH, torch.bfloat16, 4, DEV)
                 slots = LaunchSlots(2, 64, WIDTH, torch.bfloat16, 4, pin=True)
+                batch = v2_batch(tokens, hidden, lo, n)              # vLLM's buffers (built outside the check)
+                torch.cuda.synchronize()
                 with no_host_sync():
-                    step = launch(rows, slots, *v2_batch(tokens, hidden, lo, n), np.arange(1), K, {}, None, 5.0,
-                                  ring=r)
+                    step = launch(rows, slots, *batch, np.arange(1), K, {}, None, 5.0, ring=r)
                 step.wait_ready()
                 inp = step.step_input()
                 if r is not None:
