@@ -92,12 +92,15 @@ class ServerLoop:
                     arrived = self.sock.poll(POLL_MS, zmq.POLLIN)
                 if arrived:
                     self._receive_all()
+                    self._spin_until = max(self._spin_until, time.monotonic() + SPIN_S)
                 if stop.is_set():
                     break                     # what waits now is answered SHUTTING_DOWN
                 if any(c.queue for c in self._conns.values()):
                     if self._round():
                         self._spin_until = time.monotonic() + SPIN_S
-                    else:                     # every head waits for rows from a target's GPU
+                    elif time.monotonic() < self._spin_until:
+                        time.sleep(0)         # every head waits for rows from a target's GPU: usually a
+                    else:                     # copy of microseconds away, not the millisecond a poll sleeps
                         self.sock.poll(1, zmq.POLLIN)
                 self._housekeeping()
         finally:
