@@ -297,3 +297,25 @@ def test_a_restarted_server_is_offered_the_ring_again_and_drafts(checkpoints):
         c.close()
         srv.resume()
         srv.stop()
+
+
+@pytest.mark.parametrize("where", ["cpu", "meta"])
+def test_rows_read_over_the_plane_reach_the_engine_as_the_servers_own(where):
+    """Rows of a message on a device are always the server's own read of a target's slot (a
+    buffer of its own): the engine is told it may keep them past the call (and so coalesce their
+    projection like host rows'); host rows view the message's frames and are not. ``meta`` stands
+    in for the CUDA device this machine lacks (only the rows' device is read here)."""
+    from helpers.service import LocalService
+    from k3_accel.server import rows as r
+
+    svc = LocalService()
+    seen = []
+    svc.engine.ingest = lambda batch, inner=svc.engine.ingest: (seen.append(batch), inner(batch))
+    session = svc.session("s" * 32)
+    n, width = 5, 8
+    msg = r.RowMessage(np.array([1, 2]), np.array([0, 0]), np.array([2, 3]), np.array([0, 2, 5]),
+                       np.arange(n, dtype=np.int64) + 1, torch.zeros(n, width, device=where), None,
+                       nonfinite=np.zeros(n, dtype=bool))
+    admitted = r.admit(svc.store, session, msg)
+    assert admitted.index == [0, 1] and r.apply(svc.store, msg, admitted) == n
+    assert [b.owned for b in seen] == [where != "cpu"]
