@@ -191,3 +191,28 @@ def test_a_slow_message_is_logged_with_its_op_and_the_reply_still_goes(monkeypat
     assert reply.ok
     (rec,) = [r for r in caplog.records if "took" in r.getMessage()]
     assert "ingest (seq 1) took" in rec.getMessage()
+
+
+def test_a_slow_propose_says_where_its_time_went(monkeypatch, caplog):
+    """A propose slower than ``SLOW_MESSAGE_S`` (half the 0.1 s a V2 target's GPU waits for drafts)
+    is logged with its phases: rows stored, engine, and what the engine did last."""
+    import logging
+    import time
+    from k3_accel.server import service as service_module
+    svc = LocalService()
+    session = svc.session("s")
+    propose = svc.engine.propose
+
+    def slow(batch):                                   # a planted pause inside the engine
+        time.sleep(2 * service_module.SLOW_MESSAGE_S)
+        return propose(batch)
+    monkeypatch.setattr(svc.engine, "propose", slow)
+    monkeypatch.setattr(svc.engine, "stats", lambda: {"graphs_captured": 3}, raising=False)
+    with caplog.at_level(logging.WARNING, logger="k3_accel.server"):
+        reply = svc.call(session, *_propose([(1, 0, [5, 6, 7], 7)]))
+    assert reply.ok
+    (rec,) = [r for r in caplog.records if "took" in r.getMessage()]
+    msg = rec.getMessage()
+    assert "propose (seq 1) took" in msg and "rows stored in" in msg and "graphs_captured" in msg
+    engine_ms = float(msg.split("engine ")[1].split(" ms")[0])
+    assert engine_ms >= 2 * service_module.SLOW_MESSAGE_S * 1e3 * 0.99   # the pause is in the engine's phase
