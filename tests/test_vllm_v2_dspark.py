@@ -130,6 +130,33 @@ def test_v2_dspark_goes_remote(models, config, world, monkeypatch):
         assert server.stop() == 0
 
 
+def test_v2_rows_compacted_into_a_ring_slot_draft_what_the_host_path_drafts(models, config, world, monkeypatch):
+    """The speculator with the device plane's ring on (a host-memory ring stands in for the CUDA one
+    this machine lacks; the transport then reads the slot like any rows): a step that fits a slot is
+    launched into it, a longer one through pinned memory (counted), and the drafts are the engine's."""
+    from helpers.standin import host_ring
+    server, sim = _server(models, "dspark"), Sim()
+    try:
+        spec = _speculator(config, server.address, sim, monkeypatch)
+        try:
+            ring = host_ring(2, 8, HIDDEN * len(AUX_LAYERS))      # the prefill's 10 rows do not fit, 6 do
+            monkeypatch.setattr(spec.core.session, "plane_ring", lambda: ring)
+            taken = []
+            take = ring.take
+            monkeypatch.setattr(ring, "take", lambda: taken.append(take()) or taken[-1])
+            got = _two_steps(spec, sim)
+            want = _engine_says(models, "dspark", [spans for *_, spans in got])
+            for (drafts, _, _), (tokens, _) in zip(got, want):
+                assert drafts.tolist() == tokens.tolist()
+            spec.flush()
+            assert taken == [0] and ring.holds == [0, 0]           # only the second step fitted a slot
+            assert spec.stats()["adapter"]["ring_host_steps"] == 1
+        finally:
+            spec.close()
+    finally:
+        assert server.stop() == 0
+
+
 def test_v2_dspark_samples_with_the_requests_seeds(models, world, monkeypatch):
     """``draft_sample_method: probabilistic``: each request's temperature and seed (the runner's
     sampling state, by slot) reach the server, whose drafts are the engine's sampled ones for them."""

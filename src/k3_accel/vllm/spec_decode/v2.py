@@ -247,10 +247,13 @@ class RemoteSpeculatorMixin:
         if session.link_down([input_batch.req_ids[i] for i in keep.tolist()]):
             return None
         try:
+            ring = session.plane_ring()
             step = launch(self.rows, self.slots, input_batch, aux if session.ships_hidden else None,
                           num_sampled, num_rejected, last_sampled, next_prefill_tokens, keep, k,
                           history_rows(input_batch, keep, fresh), self._token_rows(), self._slot_wait_s(session),
-                          self._sampling if k > 0 else None, session.plane_ring())
+                          self._sampling if k > 0 else None, ring)
+            if ring is not None and step.ring_slot is None and step.width:
+                self.core.counters["ring_host_steps"] += 1     # the plane is on, this step's rows went pinned
             return session.pipeline.submit(step, propose=k > 0, held=held)
         except Exception:  # noqa: BLE001 - fail closed
             self.core.failures.record("step_input", "launching the step's context")
