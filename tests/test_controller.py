@@ -219,6 +219,46 @@ def test_no_confidence_means_no_trimming_by_it():
     assert plain == none_sent and trimmed == trimmed_none == 0
 
 
+def test_without_server_confidence_the_controller_reports_its_acceptance_estimate():
+    """vLLM's adaptive verification ranks a step's draft slots by the running product of their
+    confidence and sizes the next budget from it: the controller hands it what it measured (each
+    request's acceptance per position, its first drafts above the ones it sees rejected), -1 where it
+    gave no draft, a server's own value where one came; a probe carries none (it must be verified)."""
+    c = Controller(ControllerSettings(k_max=K, probe_interval=1000))
+    t = FakeTarget(c, batch=4)
+    t.accept = lambda step, i, j: j < 3                          # three drafts accepted, never a fourth
+    t.step(30)
+    inp = StepInput(t.ids, [4] * 4, torch.zeros(16, dtype=torch.int64), torch.zeros(16, dtype=torch.int64),
+                    [True, True, True, False], [0] * 4, [1] * 4, k=K)
+    seen = {}
+
+    def server(step_input, theirs=None):
+        out = StepOutput(torch.full((4, step_input.k), 5, dtype=torch.int64))
+        if theirs is not None:
+            out.extra["confidence"] = theirs
+        seen["out"] = out
+        return out
+    out = c.step(inp, server)
+    conf, given = out.extra["confidence"], out.drafts >= 0
+    assert conf.shape == (4, K) and conf.dtype == torch.float32
+    assert ((conf == -1) == ~given).all() and not given[3].any()   # none where no draft (request 3 samples not)
+    rates = torch.from_numpy(c.acceptance.rates(t.ids)).float()
+    assert torch.equal(conf[given], rates[:, :K][given])
+    assert (conf[:3, :3] > 0.8).all() and (conf[:3, 3][given[:3, 3]] < 0.5).all()
+    theirs = torch.full((4, K), -1.0)
+    theirs[0, 0] = 0.125                                           # a server's own value wins where sent
+    out = c.step(inp, lambda i: server(i, theirs))
+    assert out.extra["confidence"][0, 0] == 0.125 and out.extra["confidence"][1, 0] > 0.8
+    useless = Controller(ControllerSettings(k_max=K, probe_interval=4))
+    t = FakeTarget(useless, batch=2)                               # nothing accepted: off, with probes
+    outs, step = [], useless.step
+    useless.step = lambda *a, **kw: outs.append((step(*a, **kw), useless._probing)) or outs[-1][0]
+    t.step(60)
+    drafted = [(o, probing) for o, probing in outs if (o.drafts >= 0).any()]
+    assert any(probing for _, probing in drafted) and any(not probing for _, probing in drafted)
+    assert all(("confidence" in o.extra) != probing for o, probing in drafted)
+
+
 def test_controller_same_on_every_tp_rank():
     """Decisions are a function of the trace alone: two controllers (two ranks, or a replay)
     fed the same inputs and times decide the same, step for step."""

@@ -361,6 +361,30 @@ def test_fewer_drafts_reach_vllm(vllm_config, tp_group, ngram_server, monkeypatc
         spec.close()
 
 
+def test_with_adaptive_verification_vllm_gets_the_controllers_acceptance_estimate(vllm_config, tp_group,
+                                                                                  ngram_server, monkeypatch):
+    """With vLLM's adaptive verification and a server that sends no confidence (n-gram, DFlash), the
+    runner's ``draft_token_confidence_probs`` holds the controller's estimated acceptance of each draft
+    it handed out (0 where it gave none), which vLLM ranks and budgets with."""
+    monkeypatch.setattr(vllm_config.speculative_config, "enable_adaptive_verification", True, raising=False)
+    sim = Sim()
+    spec = _speculator(vllm_config, sim, ngram_server.address, monkeypatch, VLLM_K3_DRAFT_ADAPTIVE="on",
+                       VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS="20000")
+    try:
+        controller = spec.core.session.pipeline.controller
+        monkeypatch.setattr(controller, "choose", lambda ids, sampled, counts, held=False: np.array([2, 0]))
+        a, b = [1, 2, 3, 1, 2], [4, 5, 6, 4, 5]
+        sim.add("a", a)
+        sim.add("b", b)
+        sim.propose(spec, [Sched("a", 0, a, sampled=3), Sched("b", 0, b, sampled=6)])
+        conf = spec.draft_token_confidence_probs[:2]
+        want = torch.from_numpy(controller.acceptance.rates(["a"])[0, :2]).float()
+        assert torch.equal(conf[0, :2], want) and (conf[0, 2:] == 0).all() and (conf[1] == 0).all()
+        assert (want > 0).all() and (want < 1).all()          # an estimate (the prior here), not a flag
+    finally:
+        spec.close()
+
+
 def test_a_step_behind_the_deadline_asks_for_no_drafts_but_ships_its_rows(speculator, sim):
     """While a step the GPU deadline released is still running on the draft thread, later steps
     ask the server for nothing (the GPU would only wait for the deadline again) yet ship their rows,

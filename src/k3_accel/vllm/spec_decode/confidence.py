@@ -1,13 +1,14 @@
-"""Per-draft confidence for vLLM's adaptive verification, from a DSpark server's reply.
+"""Per-draft confidence for vLLM's adaptive verification: a DSpark server's, or the controller's.
 
 vLLM 0.33's V2 runner reads ``speculator.draft_token_confidence_probs`` (``[max_reqs, K]``
 float32, batch order) after each propose when ``enable_adaptive_verification`` is on, and
 sizes each request's verification budget from it. In-tree, DSpark with a confidence head
 writes ``sigmoid(confidence_head(...))`` there; a remote DSpark server sends the same values
 as the reply tensor ``confidence`` (the client puts it in ``StepOutput.extra``, the draft
-thread in :attr:`DraftPipeline.confidence`). This module turns that into the runner's buffer:
-the server's value where it sent one, 1 where a draft came without one, 0 where there is no
-draft (such a position is not verified at all).
+thread in :attr:`DraftPipeline.confidence`). Without one, the adaptive controller puts its
+measured acceptance per position there (:meth:`~.controller.Controller._confidence`; probes
+excepted). This module turns that into the runner's buffer: the value where there is one, 1
+where a draft came without one, 0 where there is no draft (such a position is not verified).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ NONE = -1.0          # "the server sent no confidence here" in the pipeline's re
 
 
 def wanted(spec: Any) -> bool:
-    """Whether this target uses server confidence: DSpark with adaptive verification."""
-    return spec.method == "dspark" and bool(getattr(spec, "enable_adaptive_verification", False))
+    """Whether this target reads confidence from the reply: vLLM's adaptive verification is on."""
+    return bool(getattr(spec, "enable_adaptive_verification", False))
 
 
 def fill(probs: torch.Tensor, drafts: torch.Tensor, server: torch.Tensor | None = None) -> None:

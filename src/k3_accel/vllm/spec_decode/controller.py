@@ -108,6 +108,10 @@ class Acceptance:
 
     def survival(self, req_ids: Sequence[str]) -> np.ndarray:
         """``[R, K]``: probability that a request's first j+1 drafts are all accepted."""
+        return np.cumprod(self.rates(req_ids), axis=1)
+
+    def rates(self, req_ids: Sequence[str]) -> np.ndarray:
+        """``[R, K]``: each request's acceptance at position j+1, given the drafts before it were accepted."""
         g = self.global_rate()
         w = self.s.request_weight
         rows = [self.requests.get(rid) for rid in req_ids]
@@ -116,7 +120,7 @@ class Acceptance:
         if known:
             counts = np.stack([rows[n] for n in known])                 # [R', 2, K]: tried, accepted
             rates[known] = (counts[:, 1] + w * g) / (counts[:, 0] + w)
-        return np.cumprod(rates, axis=1)
+        return rates
 
     def forget(self, req_ids: Sequence[str]) -> None:
         for rid in req_ids:
@@ -197,9 +201,22 @@ class Controller:
             d[cols[None, :] >= ks[:, None]] = -1
             given = (d >= 0).sum(axis=1)
             self.given = {rid: int(g) for rid, g, s in zip(inp.req_ids, given, sampled) if s}
+            if not self._probing:
+                mine, theirs = self._confidence(inp.req_ids, d), out.extra.get("confidence")
+                out.extra["confidence"] = mine if theirs is None else \
+                    torch.where(theirs >= 0, theirs.to(torch.float32), mine)
         else:                                   # nothing handed out (the drafts are all -1)
             self.given = {}
         return out
+
+    def _confidence(self, req_ids: Sequence[str], drafts: np.ndarray) -> torch.Tensor:
+        """``[R, k]`` float32: the estimated acceptance of each draft handed out (-1 where none), where
+        the server sends no confidence of its own. vLLM's adaptive verification ranks a step's draft
+        slots by their running product and sizes the next step's budget from them: with all 1 every
+        slot ties, and a budget the step before sized leaves arbitrary requests short, so they fall
+        out of step. A probe sends none: its drafts must be verified to say anything."""
+        rates = self.acceptance.rates(req_ids)[:, :drafts.shape[1]]
+        return torch.from_numpy(np.where(drafts >= 0, rates, -1.0).astype(np.float32))
 
     def _hinted(self, ks: np.ndarray, sampled: np.ndarray, counts: np.ndarray, out: Any) -> np.ndarray:
         """With the server's per-draft confidence (DSpark's confidence head: ``out.extra

@@ -135,7 +135,7 @@ class RemoteSpeculatorMixin:
         self.enable_adaptive_verification = bool(getattr(spec, "enable_adaptive_verification", False))
         self._confidence = torch.zeros((self.max_num_reqs, k), dtype=torch.float32, device=self.device)
         self.draft_token_confidence_probs = self._confidence
-        # a DSpark server's confidence (-1 = none) when adaptive verification uses it (.confidence)
+        # the reply's confidence (a DSpark server's, or the controller's; -1 = none) for adaptive verification
         self._server_confidence = (torch.full((self.max_num_reqs, k), confidence.NONE, device=self.device)
                                    if confidence.wanted(spec) else None)
         self.drafts = torch.full((self.max_num_reqs, k), -1, dtype=torch.int64, device=self.device)
