@@ -224,7 +224,7 @@ def test_without_server_confidence_the_controller_reports_its_acceptance_estimat
     confidence and sizes the next budget from it: the controller hands it what it measured (each
     request's acceptance per position, its first drafts above the ones it sees rejected), -1 where it
     gave no draft, a server's own value where one came; a probe carries none (it must be verified)."""
-    c = Controller(ControllerSettings(k_max=K, probe_interval=1000))
+    c = Controller(ControllerSettings(k_max=K, probe_interval=1000, confidence=True))
     t = FakeTarget(c, batch=4)
     t.accept = lambda step, i, j: j < 3                          # three drafts accepted, never a fourth
     t.step(30)
@@ -249,7 +249,7 @@ def test_without_server_confidence_the_controller_reports_its_acceptance_estimat
     theirs[0, 0] = 0.125                                           # a server's own value wins where sent
     out = c.step(inp, lambda i: server(i, theirs))
     assert out.extra["confidence"][0, 0] == 0.125 and out.extra["confidence"][1, 0] > 0.8
-    useless = Controller(ControllerSettings(k_max=K, probe_interval=4))
+    useless = Controller(ControllerSettings(k_max=K, probe_interval=4, confidence=True))
     t = FakeTarget(useless, batch=2)                               # nothing accepted: off, with probes
     outs, step = [], useless.step
     useless.step = lambda *a, **kw: outs.append((step(*a, **kw), useless._probing)) or outs[-1][0]
@@ -257,6 +257,12 @@ def test_without_server_confidence_the_controller_reports_its_acceptance_estimat
     drafted = [(o, probing) for o, probing in outs if (o.drafts >= 0).any()]
     assert any(probing for _, probing in drafted) and any(not probing for _, probing in drafted)
     assert all(("confidence" in o.extra) != probing for o, probing in drafted)
+    plain = Controller(ControllerSettings(k_max=K, probe_interval=1000))   # no adaptive verification:
+    t = FakeTarget(plain, batch=4)                                         # nobody reads it, none is made
+    t.accept = lambda step, i, j: j < 3
+    t.step(30)
+    out = plain.step(inp, server)
+    assert (out.drafts >= 0).any() and "confidence" not in out.extra
 
 
 def test_controller_same_on_every_tp_rank():

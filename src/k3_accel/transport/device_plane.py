@@ -159,11 +159,15 @@ class DeviceRing:
         self.ready[i].record(stream)
 
     def write(self, i: int, rows: torch.Tensor) -> None:
-        """Copy ``rows`` (input order) into slot ``i`` on the current stream of their device."""
-        stream = torch.cuda.current_stream(self.device)
-        self.before_write(i, stream)
+        """Copy ``rows`` (input order) into slot ``i`` on the current stream of their device (after, on
+        the device, the server's read of the slot's last use; the slot's ready event follows the copy).
+        A ring in host memory (tests on a machine without CUDA) has no events: a plain copy."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if stream is not None:
+            self.before_write(i, stream)
         self.hidden[i][:rows.shape[0]].copy_(rows, non_blocking=True)
-        self.written(i, stream)
+        if stream is not None:
+            self.written(i, stream)
 
 
 @dataclass

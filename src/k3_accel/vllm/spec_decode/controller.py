@@ -62,6 +62,8 @@ class ControllerSettings:
     request_weight: float = 4.0     # how many global observations a request's own estimate starts from
     decay: float = 0.9              # per-step forgetting of acceptance (a memory of ~10 steps)
     min_step_s: float = 1e-5        # a step period below this is not a measurement
+    confidence: bool = False        # report the acceptance estimates as the drafts' confidence (vLLM's
+                                    # adaptive verification reads it; nothing else does)
 
     def __post_init__(self) -> None:
         if not 0 <= self.k_min <= self.k_max:
@@ -201,7 +203,7 @@ class Controller:
             d[cols[None, :] >= ks[:, None]] = -1
             given = (d >= 0).sum(axis=1)
             self.given = {rid: int(g) for rid, g, s in zip(inp.req_ids, given, sampled) if s}
-            if not self._probing:
+            if self.s.confidence and not self._probing:
                 mine, theirs = self._confidence(inp.req_ids, d), out.extra.get("confidence")
                 out.extra["confidence"] = mine if theirs is None else \
                     torch.where(theirs >= 0, theirs.to(torch.float32), mine)

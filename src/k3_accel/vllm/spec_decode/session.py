@@ -136,7 +136,8 @@ def make_controller(config: Any, facts: TargetFacts):
     # step's drafts unverified: it sizes a step from the confidences of the step before)
     return Controller(ControllerSettings(k_max=k, k_min=min(config.adaptive_min_k, k),
                                          probe_interval=config.adaptive_probe_interval,
-                                         probe_steps=2 if facts.adaptive_verification else 1))
+                                         probe_steps=2 if facts.adaptive_verification else 1,
+                                         confidence=facts.adaptive_verification))
 
 
 def _client_name(vllm_config: Any) -> str:

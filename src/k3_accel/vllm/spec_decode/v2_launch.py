@@ -297,7 +297,7 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
                 rows.hidden[:, width:width + hw].index_copy_(0, dst, h[:n])
                 width += hw
             if ring_slot is not None:
-                _to_ring(ring, ring_slot, rows.hidden[:n], compute)
+                ring.write(ring_slot, rows.hidden[:n])     # on the compute stream, after the server's last read
         prompt_rows = {}
         if prompts and all_token_ids is not None:
             for rid, (i, count) in prompts.items():
@@ -359,16 +359,6 @@ def _scatter_for(device: torch.device):
 def _to_device(host: np.ndarray, dev: torch.device) -> torch.Tensor:
     t = torch.from_numpy(host)
     return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
-
-
-def _to_ring(ring: Any, i: int, hidden: torch.Tensor, compute: Any) -> None:
-    """The step's compacted rows into ring slot ``i`` on the compute stream, after (on the device)
-    the server's read of the slot's last use; the slot's ready event follows the copy."""
-    if compute is not None:
-        ring.before_write(i, compute)
-    ring.hidden[i][:hidden.shape[0]].copy_(hidden, non_blocking=True)
-    if compute is not None:
-        ring.written(i, compute)
 
 
 def _copy_out(rows: DeviceRows, slots: LaunchSlots, slot: int, r: int, n: int, compute: Any,
