@@ -237,8 +237,13 @@ def _save(doc: dict, out: str | None) -> None:
 # scheduler gate is on: while the controller has speculation off the scheduler schedules plain
 # decodes (docs/remote-drafting-v2.md);
 # adaptive-av-nogate: the same with the gate forced off; adaptive-gate(-av): the gate forced on;
-# *-host: the same with the device data plane off (hidden rows through pinned memory and the socket)
-VARIANTS = {"fixed": ({}, {"adaptive": False}),
+# *-host: the same with the device data plane off (hidden rows through pinned memory and the socket);
+# in-tree: vLLM's own DFlash speculator at the same draft shape on the target's GPU, no plugin (its
+# draft has vLLM's random dummy weights, so it runs at acceptance length 1 only: the step period of
+# in-tree drafting beside the remote path's, the same K, the same batches)
+IN_TREE = "in-tree"
+VARIANTS = {IN_TREE: ({}, None),
+            "fixed": ({}, {"adaptive": False}),
             "fixed-host": ({}, {"adaptive": False, "device_plane": "off"}),
             "adaptive-av-host": ({"enable_adaptive_verification": True}, {"adaptive": True, "device_plane": "off"}),
             "adaptive": ({}, {"adaptive": True}),
@@ -251,15 +256,15 @@ VARIANTS = {"fixed": ({}, {"adaptive": False}),
 def run_variant(name: str, doc: dict, target: str, draft: str, address: str, control: Path,
                 prompts: dict, warm: list, work: Path, args) -> None:
     spec_extra, plugin = VARIANTS[name]
+    remote = {} if plugin is None else {"additional_config": {"k3_accel": {"draft_address": address, **plugin,
+                                                                           **json.loads(args.plugin)}}}
     llm = make_llm(target, args, speculative_config={"method": "dflash", "model": draft,
-                                                     "num_speculative_tokens": K, **spec_extra},
-                   additional_config={"k3_accel": {"draft_address": address, **plugin,
-                                                   **json.loads(args.plugin)}})
+                                                     "num_speculative_tokens": K, **spec_extra}, **remote)
     out = doc["variants"].setdefault(name, {"speculative_config": spec_extra, "plugin": plugin})
     try:
         llm.collective_rpc(p6_steps.install_on_worker)      # each timed run's step periods (step_trace)
         generate(llm, warm, 16)
-        for length in LENGTHS:
+        for length in LENGTHS if plugin is not None else LENGTHS[:1]:
             for b in BATCHES:
                 # the same prompts once untimed first: the timed run is the steady state at this acceptance
                 # length, the untimed one the switch from the previous one (an adaptive controller's cost)
@@ -289,7 +294,8 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
                          "draft_tokens": after.get("draft_tokens", 0) - before.get("draft_tokens", 0),
                          "mean_acceptance_length": 1 + acc / drafts if drafts else None,
                          "accepted_per_position": [x / drafts for x in per_pos] if drafts else [],
-                         "plugin_trouble": problems, "valid": measures_drafting(problems),
+                         "plugin_trouble": problems,
+                         "valid": plugin is None or measures_drafting(problems),   # in-tree: no plugin stats
                          # diagnosis: what went wrong in the untimed run, what the controller chose in the timed one
                          "switch_trouble": trouble(s1, trouble(s0)), "controller": controller_delta(s1, s2),
                          "gate": (s2 or {}).get("gate") if isinstance(s2, dict) else None,
@@ -333,6 +339,7 @@ def summary(doc: dict, machine: str) -> dict:
         "ratio": fixed.get("4.0", {}).get("32"), "goal": ">= 2.0 at B=32 and >= 2.5 at B=1 for length 4",
         "speedup": fixed, "adaptive_variant": _recommended(doc),
         "speedup_adaptive": _speedups(doc, _recommended(doc)) if _recommended(doc) else {},
+        "speedup_in_tree_length_1": _speedups(doc, IN_TREE).get("1.0"),   # vLLM's own DFlash, random draft
         "acceptance_length_proposed": {name: {str(L): {str(b): e.get("oracle_acceptance_length")
                                                        for b, e in v[str(L)].items()}
                                               for L in LENGTHS if str(L) in v}
