@@ -60,7 +60,7 @@ for phase in $phases; do
             > "$OUT/tiny.log" 2>&1; r=$?; echo "tiny rc=$r"; [ $r -ne 0 ] && rc=$r
           grep -E "attempt|Error|error" "$OUT/tiny.log" | tail -30
           python3 -c "import json,sys; d=json.load(open('$OUT/vllm-e2e-h200.json')); print(json.dumps(d['summary'])); [print(k, json.dumps({x: v.get(x) for x in ('identical_outputs','accepted_per_position','mean_acceptance_length','server_ops_after_engine_start','killed_round','syncs_total','syncs_with_plugin_frames','plugin_sync_sites','memory_by_round','rounds_differing','error')})) for k, v in d['methods'].items()]" ;;
-    gputest) timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_oracle_engine.py tests/test_v2_gpu_fence.py tests/test_dflash_coalesce.py tests/test_v2_launch_scatter.py tests/test_device_plane_gpu.py \
+    gputest) timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_oracle_engine.py tests/test_v2_gpu_fence.py tests/test_dflash_coalesce.py tests/test_v2_launch_scatter.py tests/test_device_plane_gpu.py tests/test_device_plane_streams_gpu.py \
             > "$OUT/gputest.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gputest.log" ;;
     coalesce) timeout 300 python3 benchmarks/coalesce.py --out "$OUT/coalesce-h200.json" > "$OUT/coalesce.log" 2>&1
         r=$?; echo "coalesce rc=$r"; [ $r -ne 0 ] && rc=$r

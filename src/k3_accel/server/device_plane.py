@@ -87,7 +87,7 @@ class ServerDevicePlane:
         if self.device is not None and self.device.type == "cuda" and self.device.index is None \
                 and ipc.cuda_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.home_stream = home_stream          # the engine's stream: buffers it reads belong to it
+        self.home_stream = home_stream          # the engine's stream, which reads the buffers fetched here
         self.imports: dict[str, Imported] = {}
         self.parked: list[Fetch] = []
         self.counts = {"attached": 0, "refused": 0, "fetches": 0, "dropped": 0}
@@ -172,14 +172,20 @@ class ServerDevicePlane:
         dest = self.device if self.device is not None and self.device.type == "cuda" else imp.device
         src, stream = imp.slots[slot], imp.stream
         home = self.home_stream if self.home_stream is not None else torch.cuda.current_stream(dest)
-        with torch.cuda.stream(home):                 # the buffer belongs to the stream that will use it
-            hidden = torch.empty((rows, imp.width), dtype=p.DTYPES[imp.dtype], device=dest)
         flags = torch.empty(rows, dtype=torch.bool, pin_memory=True)
         if dest.index == imp.device.index:            # one stream: wait, copy, release, check
             out_stream = stream
         else:                                         # peer: the copy runs on the slots' device's stream
             imp.peer_stream = imp.peer_stream or torch.cuda.Stream(dest)
             out_stream = imp.peer_stream
+        # The buffer is allocated on the stream that writes it, and marked as used by the engine's
+        # stream, which reads it later: freed, it is reused only after the engine's work queued by
+        # then. (Allocated on the engine's stream, it could be memory the engine freed a moment ago
+        # and still reads in work queued behind a busy stream, which this copy, not ordered after
+        # that work, would overwrite: an index buffer overwritten that way was an illegal address.)
+        with torch.cuda.stream(out_stream):
+            hidden = torch.empty((rows, imp.width), dtype=p.DTYPES[imp.dtype], device=dest)
+        hidden.record_stream(home)
         with torch.cuda.stream(stream), torch.cuda.stream(out_stream):
             stream.wait_event(imp.ready[slot])       # on the device: the target wrote the slot
             if rows:
@@ -195,7 +201,6 @@ class ServerDevicePlane:
                 flags.copy_(~torch.isfinite(hidden).all(dim=1), non_blocking=True)
             done = torch.cuda.Event()
             done.record(out_stream)
-        hidden.record_stream(out_stream)
         return Fetch(hidden, flags, done, imp)
 
     # ------------------------------------------------------------- lifetime

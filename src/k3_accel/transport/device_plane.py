@@ -8,17 +8,20 @@ can open them by answering with its own *released* events; otherwise, or when an
 about it fails, every step takes the host path (pinned staging, hidden frames on the
 socket), chosen here, logged once per reason and reported in ``stats()["device_plane"]``.
 
-Per step on the device path the rows go into a slot on the target's compute stream, after
-a device-side wait for the server's *released* event of that slot's last use (never a host
-wait), and the slot's *ready* event is recorded; the messages carry only control (slot,
-per-request slot rows, counts, anchors, tokens). A slot is held (host side) by every
-message that names it until that message's reply: the reply proves the server has already
-enqueued its read and its *released* record, so the device-side wait that precedes the
-slot's next write covers that read. A slot the V2 launch already compacted its rows into
+Per step on the device path the rows go into a slot on the target's compute stream and the
+slot's *ready* event is recorded; the messages carry only control (slot, per-request slot
+rows, counts, anchors, tokens). A slot is held (host side) by every message that names it
+until that message's reply, and the server answers only once its read of the slot has
+completed (its *released* event with it), so a slot that no message names is free to write.
+The target's streams never wait on a server's event: a server whose CUDA context died
+leaves its events pending for ever, and a stream waiting on one would stall the target's
+GPU. A slot whose hold went without a reply (the link failed) and whose *released* event
+has not completed is not written: :meth:`DeviceRing.take` skips it, :meth:`DeviceRing.acquire`
+waits for it until its deadline. A slot the V2 launch already compacted its rows into
 (:meth:`DeviceRing.slot_of`) is named as it is, without a copy.
 
-Losing the link detaches the plane (the server's events are never waited on again: a dead
-server's event might never complete); the next hello decides the path again.
+Losing the link detaches the plane (the server's events are not looked at again); the next
+hello decides the path again.
 """
 from __future__ import annotations
 
@@ -108,8 +111,22 @@ class DeviceRing:
             self._cond.notify_all()
 
     def busy(self, i: int) -> bool:
+        """A message names slot ``i``, or the server's last read of it is not known complete."""
         with self._cond:
-            return self.holds[i] > 0
+            return self.holds[i] > 0 or not self.read_done(i)
+
+    def read_done(self, i: int) -> bool:
+        """Whether the server's last read of slot ``i`` has completed, as far as this process can
+        tell: no event (no server took the ring, or the link was lost) or one that cannot be
+        queried any more (its server is gone) counts as done."""
+        event = self.released[i]
+        if event is None:
+            return True
+        try:
+            return bool(event.query())
+        except RuntimeError:
+            self.released[i] = None
+            return True
 
     def wait_free(self, i: int, timeout: float) -> bool:
         """Host wait until no message names slot ``i`` (its replies came); False at the timeout."""
@@ -123,7 +140,7 @@ class DeviceRing:
         with self._cond:
             for j in range(self.depth):
                 i = (self._next + j) % self.depth
-                if self.holds[i] == 0:
+                if self.holds[i] == 0 and self.read_done(i):
                     self.holds[i] = 1
                     self._next = (i + 1) % self.depth
                     return i
@@ -135,39 +152,20 @@ class DeviceRing:
         while self.busy(i):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RingTimeout(f"device slot {i} still named by {self.holds[i]} message(s) at the deadline")
+                raise RingTimeout(f"device slot {i} still named by {self.holds[i]} message(s) or read by the "
+                                  f"server at the deadline")
             progress(None, left)
         self._next = (i + 1) % self.depth
         return i
 
-    def before_write(self, i: int, stream: Any) -> None:
-        """The stream that writes slot ``i`` waits (on the device) until the server read it last.
-        A read that has completed (the usual case: the server answers after its read) needs no
-        wait, and an event that cannot be queried any more (its server died) is never waited on."""
-        event = self.released[i]
-        if event is None:
-            return
-        try:
-            if event.query():
-                return
-        except RuntimeError:
-            self.released[i] = None
-            return
-        stream.wait_event(event)
-
-    def written(self, i: int, stream: Any) -> None:
-        self.ready[i].record(stream)
-
     def write(self, i: int, rows: torch.Tensor) -> None:
-        """Copy ``rows`` (input order) into slot ``i`` on the current stream of their device (after, on
-        the device, the server's read of the slot's last use; the slot's ready event follows the copy).
-        A ring in host memory (tests on a machine without CUDA) has no events: a plain copy."""
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        if stream is not None:
-            self.before_write(i, stream)
+        """Copy ``rows`` (input order) into slot ``i`` on the current stream of their device, then
+        record the slot's ready event; the caller took the slot (:meth:`take`, :meth:`acquire`), so
+        the server's last read of it is over. A ring in host memory (tests on a machine without
+        CUDA) has no events: a plain copy."""
         self.hidden[i][:rows.shape[0]].copy_(rows, non_blocking=True)
-        if stream is not None:
-            self.written(i, stream)
+        if self.device.type == "cuda":
+            self.ready[i].record(torch.cuda.current_stream(self.device))
 
 
 @dataclass
