@@ -14,6 +14,7 @@ For contributors, not run in CI (about 30 minutes on 2 cores for both sets):
     .venv/bin/python scripts/mutants.py                 # both sets
     .venv/bin/python scripts/mutants.py --set rules -j 2
     .venv/bin/python scripts/mutants.py vocab lease      # mutants whose name contains a word
+    K3_MUTANT_PYTHON=python3 python3 scripts/mutants.py owned    # on the GPU machine (no venvs there)
 """
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ SETS = {"planted": MUTANTS, "rules": RULE_MUTANTS, "modules": MODULE_MUTANTS, "a
 
 
 def run(mutant: Mutant, timeout: float) -> str:
-    python = ROOT / mutant.venv / "bin" / "python"
+    chosen = os.environ.get("K3_MUTANT_PYTHON")           # the GPU image, which has no venvs: python3
+    python = Path(os.path.abspath(shutil.which(chosen) or chosen)) if chosen else ROOT / mutant.venv / "bin" / "python"
     if not python.exists():
         return f"NO {mutant.venv}"
     with tempfile.TemporaryDirectory(prefix="k3-mutant-") as tmp:
@@ -125,7 +127,10 @@ def run(mutant: Mutant, timeout: float) -> str:
         if mutant.old not in text:
             return "STALE"
         path.write_text(text.replace(mutant.old, mutant.new, 1))
-        env = {**os.environ, "PYTHONPATH": str(root / "src"), "VLLM_TARGET_DEVICE": "cpu"}
+        paths = [str(root / "src")]
+        if chosen and os.environ.get("PYTHONPATH"):           # the GPU machine's packages (a --target folder)
+            paths.append(os.environ["PYTHONPATH"])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "VLLM_TARGET_DEVICE": "cpu"}
         try:
             proc = subprocess.run([str(python), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutant.tests],
                                   cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
