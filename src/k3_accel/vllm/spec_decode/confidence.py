@@ -32,3 +32,33 @@ def fill(probs: torch.Tensor, drafts: torch.Tensor, server: torch.Tensor | None 
         return
     given = torch.where(server >= 0, server, torch.ones_like(server))
     probs.copy_(torch.where(drafts >= 0, given, torch.zeros_like(given)))
+
+
+def warm_budget(device: torch.device, max_num_reqs: int, k: int) -> int:
+    """Compile vLLM's adaptive-verification slot ranking now, at engine start, for the shapes a
+    step gives it; returns the calls made (0: this vLLM has no such function).
+
+    vLLM 0.33 ranks draft slots with ``_assign_draft_token_budget_compiled``
+    (``torch.compile(dynamic=True)``) only in a step whose budget binds (fewer slots than drafts),
+    so it compiles inside the first such step: a 0.6-1.2 s stall of the engine (P6 on the H200
+    and the H100), and again for the first batch of one request (dynamic shapes specialise sizes
+    0 and 1). Called from the speculator's ``capture`` (vLLM's graph capture, before serving),
+    with the runtime's dtypes: confidences float32 ``[max_num_reqs, k]``, slot mapping int64,
+    capacities int32, under inference mode as the runner calls it."""
+    try:
+        from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
+        rank = av._assign_draft_token_budget_compiled
+    except (ImportError, AttributeError):
+        return 0
+    calls = 0
+    with torch.inference_mode():
+        probs = torch.ones((max_num_reqs, k), dtype=torch.float32, device=device)
+        for reqs in (2, 1):
+            for budget in (2, 1):
+                if reqs > max_num_reqs or budget >= reqs * k:     # the runner ranks only a budget that binds
+                    continue
+                capacities = torch.full((reqs,), k, dtype=torch.int32, device=device)
+                rank(probs, torch.arange(reqs, dtype=torch.int64, device=device), capacities, budget, k)
+                calls += 1
+    return calls
+

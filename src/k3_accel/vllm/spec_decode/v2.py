@@ -172,7 +172,14 @@ class RemoteSpeculatorMixin:
         del cudagraph_mode
 
     def capture(self) -> None:
-        return None
+        """vLLM's graph capture, before serving: with adaptive verification, its slot ranking is
+        compiled now rather than inside the first step whose budget binds (:func:`.confidence.warm_budget`)."""
+        if self.enable_adaptive_verification and self.disabled is None:
+            try:
+                confidence.warm_budget(self.device, self.max_num_reqs, self.num_speculative_steps)
+            except Exception as exc:  # noqa: BLE001 - a warm-up; the runner compiles it when needed
+                log.warning("k3-accel: could not compile vLLM's adaptive-verification ranking ahead of "
+                            "serving (%s: %s); the first step whose budget binds compiles it", type(exc).__name__, exc)
 
     def prepare_watermarking(self, *args: Any, **kwargs: Any) -> None:
         return None
