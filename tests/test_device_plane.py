@@ -319,3 +319,27 @@ def test_rows_read_over_the_plane_reach_the_engine_as_the_servers_own(where):
     admitted = r.admit(svc.store, session, msg)
     assert admitted.index == [0, 1] and r.apply(svc.store, msg, admitted) == n
     assert [b.owned for b in seen] == [where != "cpu"]
+
+
+def test_a_slot_whose_server_read_is_not_known_complete_is_waited_for_until_the_deadline():
+    """The V1 path's ``acquire``: a slot no message names but whose last server read has not
+    completed (its hold went without a reply) is not written before that read is over; at the
+    step's deadline the step fails (``RingTimeout``), and a dead server's event does not block it."""
+    import time
+
+    from helpers.standin import ServerEvent, host_ring
+    from k3_accel.transport.failures import RingTimeout
+    ring = host_ring(2, 8, 16)
+    ring.released = [ServerEvent(False), ServerEvent(True)]
+    polls = []
+    with pytest.raises(RingTimeout, match="read by the server"):
+        ring.acquire(time.monotonic() + 0.05, lambda _, left: polls.append(left) or time.sleep(0.01))
+    assert polls and ring.holds == [0, 0]               # it read replies meanwhile, and took nothing
+
+    def read_ends(_, left):
+        ring.released[0].done = True
+    assert ring.acquire(time.monotonic() + 5, read_ends) == 0
+    ring.released = [ServerEvent(False, gone=True), ServerEvent(True)]
+    assert ring.acquire(time.monotonic() + 5, lambda *_: pytest.fail("waited on a dead server")) == 1
+    assert ring.acquire(time.monotonic() + 5, lambda *_: pytest.fail("waited on a dead server")) == 0
+    assert ring.released[0] is None

@@ -144,15 +144,17 @@ def test_an_idle_client_keeps_its_session_alive_with_heartbeats(client_factory, 
 
 
 def test_an_idle_client_heartbeats_within_the_lease_the_server_advertises(client_factory):
-    """The default heartbeat (2 s) against a server whose lease is shorter (2 s): the client
-    beats within the advertised lease, so idling for several leases loses nothing."""
+    """The default heartbeat (2 s) against a server whose lease is half of it (1 s): the client
+    beats within the advertised lease, so idling for several leases loses nothing. (Beating every
+    2 s, it would lose its session within the first 2 s of idling: the server reclaims a session
+    after a lease without a message, checking every 0.5 s.)"""
     from helpers.server import ServerProcess
-    srv = ServerProcess("--engine", "ngram", "--lease-s", "2")
+    srv = ServerProcess("--engine", "ngram", "--lease-s", "1")
     try:
         client = client_factory(srv.address)
-        assert client.settings.heartbeat_ms == 2000 and client.caps.lease_s == 2
+        assert client.settings.heartbeat_ms == 2000 and client.caps.lease_s == 1
         client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
-        deadline = time.monotonic() + 8.0                                   # 4 leases, idle
+        deadline = time.monotonic() + 6.0                                   # 6 leases, idle
         while time.monotonic() < deadline:
             time.sleep(0.1)
         stats = client.server_stats()

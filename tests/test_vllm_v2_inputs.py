@@ -170,24 +170,11 @@ def test_a_launch_on_the_device_plane_names_its_ring_slot_with_the_host_paths_ro
     assert ring.holds == [0, 0]
 
 
-class ServerEvent:
-    """Stands in for a server's released event (CUDA IPC, which this machine lacks): ``done`` is
-    what ``query`` answers; ``gone`` makes it raise as an event of a dead server's context does."""
-
-    def __init__(self, done: bool, gone: bool = False):
-        self.done, self.gone = done, gone
-
-    def query(self) -> bool:
-        if self.gone:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return self.done
-
-
 def test_a_slot_the_server_may_still_be_reading_is_never_written(sim):
     """A hold that went without a reply (the link failed) leaves a slot whose last read may still
     be running: the launch takes another slot, or the host path, and never waits for the server's
     event (a dead server's event never completes)."""
-    from helpers.standin import host_ring
+    from helpers.standin import ServerEvent, host_ring
     sched = _mixed(sim)
     want = _launch(sim, sched).step_input()
     ring = host_ring(2, 16, HIDDEN * len(AUX_LAYERS))

@@ -138,3 +138,17 @@ def host_ring(depth: int, capacity: int, width: int, dtype: torch.dtype = torch.
     ring.device = torch.device("cpu")
     ring._slots(depth, capacity, width, dtype, [None] * depth)
     return ring
+
+
+class ServerEvent:
+    """Stands in for a draft server's released event (CUDA IPC, which this machine lacks) in a
+    :func:`host_ring`: ``done`` is what ``query`` answers; ``gone`` makes it raise as an event of
+    a dead server's context does."""
+
+    def __init__(self, done: bool, gone: bool = False):
+        self.done, self.gone = done, gone
+
+    def query(self) -> bool:
+        if self.gone:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self.done
