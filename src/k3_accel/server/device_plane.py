@@ -182,7 +182,7 @@ class ServerDevicePlane:
         # stream, which reads it later: freed, it is reused only after the engine's work queued by
         # then. (Allocated on the engine's stream, it could be memory the engine freed a moment ago
         # and still reads in work queued behind a busy stream, which this copy, not ordered after
-        # that work, would overwrite: an index buffer overwritten that way was an illegal address.)
+        # that work, would overwrite: most likely the illegal address P6 met on an H100.)
         with torch.cuda.stream(out_stream):
             hidden = torch.empty((rows, imp.width), dtype=p.DTYPES[imp.dtype], device=dest)
         hidden.record_stream(home)
