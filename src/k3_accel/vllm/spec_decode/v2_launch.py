@@ -297,7 +297,7 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
                 rows.hidden[:, width:width + hw].index_copy_(0, dst, h[:n])
                 width += hw
             if ring_slot is not None:
-                ring.write(ring_slot, rows.hidden[:n])     # on the compute stream, after the server's last read
+                ring.write(ring_slot, rows.hidden[:n])     # on the compute stream; take() gave a slot the server has read
         prompt_rows = {}
         if prompts and all_token_ids is not None:
             for rid, (i, count) in prompts.items():
