@@ -40,6 +40,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get
 
 import p6_steps  # noqa: E402
 import p6_watchdog  # noqa: E402
+from oracle_engine import write_control  # noqa: E402
 from p6_stats import (BATCHES, controller_delta, drafter_stats, measures_drafting,  # noqa: E402
                       oracle_counts, phase_delta, spec_counters, trouble)
 
@@ -218,12 +219,12 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
             for b in BATCHES:
                 # the same prompts once untimed first: the timed run is the steady state at this acceptance
                 # length, the untimed one the switch from the previous one (an adaptive controller's cost)
-                control.write_text(json.dumps({"length": length, "record": str(work / f"record-{b}.json"),
-                                               "seed": b, "tag": f"{name}-switch"}))
+                write_control(control, {"length": length, "record": str(work / f"record-{b}.json"),
+                                               "seed": b, "tag": f"{name}-switch"})
                 s0 = drafter_stats(llm)
                 switch_secs, _ = generate(llm, prompts[b], args.tokens)
-                control.write_text(json.dumps({"length": length, "record": str(work / f"record-{b}.json"),
-                                               "seed": b, "tag": name}))
+                write_control(control, {"length": length, "record": str(work / f"record-{b}.json"),
+                                               "seed": b, "tag": name})
                 time.sleep(0.01)
                 s1 = drafter_stats(llm)
                 before = spec_counters(llm)
@@ -253,7 +254,7 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
                 out.setdefault(str(length), {})[b] = entry
                 print(json.dumps({"variant": name, "length": length, "B": b, **entry}), flush=True)
                 _save(doc, args.out)
-        control.write_text(json.dumps({"length": 1.0, "record": None, "tag": None}))   # flushes the last counts
+        write_control(control, {"length": 1.0, "record": None, "tag": None})   # flushes the last counts
         generate(llm, warm[:1], 4)
         oracle_counts(doc, Path(f"{control}.counts.jsonl"), work)
         out["drafter"] = drafter_stats(llm)
@@ -371,7 +372,7 @@ def main() -> int:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     control = work / "control.json"
-    control.write_text(json.dumps({"length": 1.0, "record": str(work / "record-1.json")}))
+    write_control(control, {"length": 1.0, "record": str(work / "record-1.json")})
     server, address = start_server(target, draft, control, work / "oracle-server.log", args.shape,
                                    "cuda" if torch.cuda.is_available() else "cpu", tuple(args.server_args.split()))
     try:

@@ -54,8 +54,7 @@ class Oracle:
         self.counts = {"requests": 0, "found": 0, "scheduled_accepts": 0}
 
     @classmethod
-    def from_control(cls, path: str | Path, vocab_size: int) -> "Oracle":
-        ctl = json.loads(Path(path).read_text())
+    def from_control(cls, ctl: dict, vocab_size: int) -> "Oracle":
         seqs = json.loads(Path(ctl["record"]).read_text())["sequences"] if ctl.get("record") else []
         return cls(ctl["length"], seqs, vocab_size, int(ctl.get("seed", 0)))
 
@@ -80,6 +79,13 @@ class Oracle:
         return truth[:n] + [(t + 1) % self.vocab_size for t in truth[n:]]
 
 
+def write_control(path: str | Path, control: dict) -> None:
+    """Replace the control file at once: the server may read it in the middle of a write."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(control))
+    os.replace(tmp, path)
+
+
 class OracleDFlashEngine(DFlashEngine):
     """DFlash compute, the recorded continuation as drafts (see the module docstring).
 
@@ -102,8 +108,8 @@ class OracleDFlashEngine(DFlashEngine):
                 with open(f"{self.control}.counts.jsonl", "a") as fh:
                     fh.write(json.dumps({"length": self.oracle.length, "record": self._record,
                                          "tag": self._tag, **self.oracle.counts}) + "\n")
-            self.oracle = Oracle.from_control(self.control, self.config.vocab_size)
             control = json.loads(Path(self.control).read_text())
+            self.oracle = Oracle.from_control(control, self.config.vocab_size)
             self._record, self._tag = control.get("record"), control.get("tag")
             self._mtime = mtime
 

@@ -14,7 +14,7 @@ from dflash_support import Mirror, checkpoint, random_rows
 from k3_accel.server.engines.dflash import DFlashEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from oracle_engine import KEY, Oracle, OracleDFlashEngine, acceptance_rates  # noqa: E402
+from oracle_engine import KEY, Oracle, OracleDFlashEngine, acceptance_rates, write_control  # noqa: E402
 
 BUDGET = 1 << 20
 K = 7
@@ -34,8 +34,21 @@ def _record(tmp_path: Path, n: int, length: int, vocab: int, seed: int = 3) -> l
 
 def _control(tmp_path: Path, length: float, seed: int = 0) -> str:
     path = tmp_path / "control.json"
-    path.write_text(json.dumps({"length": length, "record": str(tmp_path / "record.json"), "seed": seed}))
+    write_control(path, {"length": length, "record": str(tmp_path / "record.json"), "seed": seed})
     return str(path)
+
+
+def test_a_control_write_never_shows_a_reader_a_partial_file(tmp_path):
+    """The server reads the control file while the harness rewrites it (a P6 run once read it
+    empty: JSONDecodeError, a failed propose): a reader that opened it before the write still
+    reads the whole old setting, one that opens it after reads the whole new one."""
+    path = tmp_path / "control.json"
+    write_control(path, {"length": 1.0, "record": None})
+    with open(path) as old:
+        write_control(path, {"length": 4.0, "record": "r.json", "tag": "x" * 10000})
+        assert json.loads(old.read()) == {"length": 1.0, "record": None}
+    assert json.loads(path.read_text())["length"] == 4.0
+    assert [p.name for p in tmp_path.iterdir()] == ["control.json"]
 
 
 @pytest.mark.parametrize("length,want", [
@@ -151,7 +164,7 @@ def test_control_file_switches_length_and_unknown_requests_keep_dflash_drafts(ck
     assert torch.equal(got.tokens[1], oracle.last_compute.tokens[1])
     import os
     import time
-    Path(ctl).write_text(json.dumps({"length": 8.0, "record": str(tmp_path / "record.json")}))
+    write_control(ctl, {"length": 8.0, "record": str(tmp_path / "record.json")})
     os.utime(ctl, ns=(time.time_ns(), time.time_ns() + 10**9))
     assert oracle.propose(batch).wait().tokens[0].tolist() == truth
 
