@@ -40,7 +40,7 @@ from rpc import env, free_port, ping_pong  # noqa: E402  (benchmarks/rpc.py)
 import draft_step  # noqa: E402  (benchmarks/draft_step.py)
 
 
-def serve(port: int, quick: bool, profile: str | None = None) -> None:
+def serve(port: int, quick: bool, profile: str | None = None, trace: str | None = None) -> None:
     import signal
     import zmq
     from k3_accel.server.engines.dflash import DFlashEngine
@@ -51,6 +51,9 @@ def serve(port: int, quick: bool, profile: str | None = None) -> None:
     cfg = draft_step.config(quick)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if trace:
+        import server_trace
+        server_trace.install(DFlashEngine)
     engine = DFlashEngine.from_weights(draft_step.random_weights(cfg, device, dtype), max_spec_tokens=15,
                                        graph_k=(7,), **({"budget_bytes": 8 << 30} if device == "cuda" else {}))
     store = RequestStore(engine, max_requests=1024, max_requests_total=1024, max_retained=0)
@@ -64,6 +67,9 @@ def serve(port: int, quick: bool, profile: str | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if profile is None:
         loop.serve(stop)
+        if trace:
+            import server_trace
+            Path(trace).write_text(json.dumps(server_trace.summary(), indent=1) + "\n")
         return
     from torch.profiler import ProfilerActivity, profile as torch_profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -76,9 +82,10 @@ def serve(port: int, quick: bool, profile: str | None = None) -> None:
                                           max_name_column_width=60) + "\n")
 
 
-def start_server(quick: bool, profile: str | None = None) -> tuple[subprocess.Popen, int, int]:
+def start_server(quick: bool, profile: str | None = None, trace: str | None = None) -> tuple[subprocess.Popen, int, int]:
     port = free_port()
-    extra = (["--quick"] if quick else []) + (["--profile-server", profile] if profile else [])
+    extra = (["--quick"] if quick else []) + (["--profile-server", profile] if profile else []) \
+        + (["--trace-server", trace] if trace else [])
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)] + extra,
                             env=env(), stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline().split()
@@ -151,9 +158,9 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
 
 
 def run(batches: list[int], k: int, context: int, iters: int, quick: bool, paths: list[str],
-        profile: str | None = None) -> list[dict]:
+        profile: str | None = None, trace: str | None = None) -> list[dict]:
     """Every (path, B) against one server process (its engine built once)."""
-    proc, port, width = start_server(quick, profile)
+    proc, port, width = start_server(quick, profile, trace)
     try:
         return [measure(port, width, path, b, k, context, iters) for path in paths for b in batches]
     finally:
@@ -188,17 +195,20 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--profile-server", help="write the server's torch profile (device and host time by op) to this file")
+    ap.add_argument("--trace-server", help="write a timeline of the server's handling of each propose "
+                                           "(median ms between steps, per path and B; server_trace.py) to this file")
     ap.add_argument("--merge", help="a draft-step JSON to write the results into (client_round_trip)")
     ap.add_argument("--out", help="write the JSON document (summary + results) here, e.g. draft-rpc-h200.json")
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.quick, args.profile_server)
+        serve(args.serve, args.quick, args.profile_server, args.trace_server)
         return
     batches = [args.batch] if args.batch else [int(x) for x in args.batches.split(",")]
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
     if any(x not in ("host", "device") for x in paths):
         ap.error(f"--paths {args.paths!r}: host and/or device")
-    results = run(batches, args.k, args.context, args.iters, args.quick, paths, args.profile_server)
+    results = run(batches, args.k, args.context, args.iters, args.quick, paths, args.profile_server,
+                  args.trace_server)
     doc = {"summary": summary(results), "results": results}
     text = json.dumps(doc, indent=2)
     print(text)
