@@ -10,7 +10,8 @@ this file patches the classes of the server process it runs in (``draft_rpc.py
 
 Marks, in order: ``recv`` (frames taken off the socket), ``read_issue`` / ``read_issued``
 (the device plane queues a read of the target's slot: host time to queue it),
-``read_seen`` (the loop finds the read complete), ``batch`` (the service starts the batch:
+within it ``_copy_rows`` / ``_check_rows`` (and ``.done``: queueing the copy, the
+non-finite check), ``read_seen`` (the loop finds the read complete), ``batch`` (the service starts the batch:
 admission, rows stored), ``engine_ingest`` / ``engine_ingested`` (the engine queues the
 rows' store), ``engine_launch`` / ``engine_launched`` (the engine queues the propose),
 ``finish`` / ``replies`` (the loop finds the device done; the replies are built), ``sent`` (the reply is on the socket).
@@ -44,18 +45,32 @@ def _around(cls: type, attr: str, before: str | None, after: str | None,
     setattr(cls, attr, wrapped)
 
 
+def _wrap_function(module: Any, name: str) -> None:
+    """A module function called through the module's globals: ``name`` / ``name.done`` marks."""
+    fn = getattr(module, name)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        _mark(name)
+        out = fn(*args, **kwargs)
+        _mark(f"{name}.done")
+        return out
+    setattr(module, name, wrapped)
+
+
 def install(engine_cls: type) -> None:
     from k3_accel.server import device_plane, loop, service
     _around(loop.ServerLoop, "_enqueue", "recv", None)
     _around(loop.ServerLoop, "_send", None, "sent")
     _around(device_plane.ServerDevicePlane, "_start", "read_issue", "read_issued")
-    seen: set[int] = set()
+    for fn in ("_copy_rows", "_check_rows"):
+        _wrap_function(device_plane, fn)
     ready = device_plane.Fetch.ready
 
     def fetch_ready(self) -> bool:
         ok = ready(self)
-        if ok and id(self) not in seen:
-            seen.add(id(self))
+        if ok and not getattr(self, "_traced", False):
+            self._traced = True
             _mark("read_seen")
         return ok
     device_plane.Fetch.ready = fetch_ready

@@ -302,3 +302,29 @@ def test_a_target_that_exits_without_goodbye_leaves_no_mapped_ring(checkpoints):
         if wire is not None:
             wire.close()
         assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_request_whose_rows_are_not_finite_is_refused_as_on_the_host_path(server, bad):
+    """The server checks rows read over the device plane as it checks the host path's: in one
+    step of two requests, the one with a NaN or Inf row is refused (disabled, no drafts), the
+    other is drafted, on both paths alike."""
+    tokens, hidden = context(40, seed=11)
+    rows = torch.cat([hidden[:20], hidden[:20]])
+    rows[20 + 13, WIDTH - 3] = bad                       # request b's 14th row, one column
+    got = {}
+    for path in ("off", "auto"):
+        c = client(server.address, device_plane=path)
+        a, b = f"{path}-a", f"{path}-b"
+        try:
+            assert c.stats()["device_plane"]["path"] == ("host" if path == "off" else "device")
+            out = c.step(StepInput([a, b], [20, 20], torch.arange(20, device=DEV).repeat(2),
+                                   torch.cat([tokens[:20], tokens[:20]]), [True, True], [int(tokens[20])] * 2,
+                                   [20, 20], k=K, hidden=rows))
+            got[path] = (out.drafts[0].tolist(), bool((out.drafts[1] < 0).all()),
+                         c.is_disabled(a), c.is_disabled(b), bool(failures(c)))
+        finally:
+            c.close()
+    assert got["auto"] == got["off"]
+    drafts_a, b_empty, a_off, b_off, failed = got["auto"]
+    assert all(x >= 0 for x in drafts_a) and b_empty and not a_off and b_off and failed

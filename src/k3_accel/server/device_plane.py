@@ -30,6 +30,7 @@ import torch
 from k3_accel import ipc
 from k3_accel import protocol as p
 from k3_accel.protocol import ErrorCode, ProtocolError
+from k3_accel.server.rows import nonfinite_flags
 
 log = logging.getLogger("k3_accel.server")
 
@@ -63,6 +64,7 @@ class Imported:
     stream: Any                           # reads wait and copy here
     width: int
     dtype: str
+    flags: list[torch.Tensor]             # per slot, pinned host: which rows of its read are not finite
     pending: list[Fetch] = field(default_factory=list)
     peer_stream: Any = None               # on the server's device, when the slots are on another
 
@@ -73,6 +75,20 @@ class Imported:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.slots)
+
+
+def _copy_rows(hidden: torch.Tensor, src: torch.Tensor, first: np.ndarray, counts: np.ndarray, rows: int) -> None:
+    """The message's rows of slot ``src`` into ``hidden``, in message order (current stream)."""
+    if len(first) == 1 or bool((first[1:] == first[:-1] + counts[:-1]).all()):      # one run
+        hidden.copy_(src[int(first[0]):int(first[0]) + rows], non_blocking=True)
+        return
+    index = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(rows)
+    hidden.copy_(src.index_select(0, torch.from_numpy(index).to(src.device, non_blocking=True)), non_blocking=True)
+
+
+def _check_rows(hidden: torch.Tensor, flags: torch.Tensor) -> None:
+    """Which rows hold NaN or Inf, into pinned ``flags`` (current stream)."""
+    flags.copy_(nonfinite_flags(hidden), non_blocking=True)
 
 
 class ServerDevicePlane:
@@ -131,7 +147,8 @@ class ServerDevicePlane:
         ready = [ipc.open_event(h, index) for h in msg.ready]
         device = torch.device("cuda", index)
         released = [ipc.new_event(device) for _ in slots]
-        return Imported(conn, device, slots, ready, released, torch.cuda.Stream(device), msg.width, msg.dtype)
+        flags = [torch.empty(int(t.shape[0]), dtype=torch.bool, pin_memory=True) for t in slots]
+        return Imported(conn, device, slots, ready, released, torch.cuda.Stream(device), msg.width, msg.dtype, flags)
 
     # ----------------------------------------------------------------- fetch
     def fetch(self, session_key: str, conn: bytes, req: p.Request) -> bool:
@@ -170,9 +187,9 @@ class ServerDevicePlane:
 
     def _read(self, imp: Imported, slot: int, first: np.ndarray, counts: np.ndarray, rows: int) -> Fetch:
         dest = self.device if self.device is not None and self.device.type == "cuda" else imp.device
-        src, stream = imp.slots[slot], imp.stream
+        stream = imp.stream
         home = self.home_stream if self.home_stream is not None else torch.cuda.current_stream(dest)
-        flags = torch.empty(rows, dtype=torch.bool, pin_memory=True)
+        flags = imp.flags[slot][:rows]            # this slot's message is the only one read into it
         if dest.index == imp.device.index:            # one stream: wait, copy, release, check
             out_stream = stream
         else:                                         # peer: the copy runs on the slots' device's stream
@@ -189,16 +206,10 @@ class ServerDevicePlane:
         with torch.cuda.stream(stream), torch.cuda.stream(out_stream):
             stream.wait_event(imp.ready[slot])       # on the device: the target wrote the slot
             if rows:
-                contiguous = len(first) == 1 or bool((first[1:] == first[:-1] + counts[:-1]).all())
-                if contiguous:
-                    hidden.copy_(src[int(first[0]):int(first[0]) + rows], non_blocking=True)
-                else:
-                    index = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(rows)
-                    hidden.copy_(src.index_select(0, torch.from_numpy(index).to(imp.device, non_blocking=True)),
-                                 non_blocking=True)
+                _copy_rows(hidden, imp.slots[slot], first, counts, rows)
             imp.released[slot].record(stream)         # the slot may be written again
             if rows:
-                flags.copy_(~torch.isfinite(hidden).all(dim=1), non_blocking=True)
+                _check_rows(hidden, flags)
             done = torch.cuda.Event()
             done.record(out_stream)
         return Fetch(hidden, flags, done, imp)

@@ -122,6 +122,14 @@ def bad_rows(hidden: torch.Tensor | None, offsets: np.ndarray, flags: np.ndarray
     return _per_request(flags.astype(np.int64), offsets)
 
 
+def nonfinite_flags(hidden: torch.Tensor) -> torch.Tensor:
+    """The same bit test in torch, on the tensor's device: ``[rows]`` bool, True where the row
+    holds NaN or Inf. Three kernels on a GPU (the device plane's reads)."""
+    _, mask, first_bad = _NONFINITE_BITS[hidden.dtype]
+    words = hidden.view(torch.int16 if hidden.element_size() == 2 else torch.int32)
+    return torch.bitwise_and(words, mask).amax(dim=1) >= first_bad
+
+
 def _nonfinite_rows(hidden: torch.Tensor) -> np.ndarray:
     """Which rows of a ``[rows, width]`` frame tensor (a dtype of ``protocol.HIDDEN_DTYPES``) hold
     NaN or Inf, from the bits: a value is NaN or Inf exactly when its magnitude bits are at least the
