@@ -64,9 +64,12 @@ class Imported:
     stream: Any                           # reads wait and copy here
     width: int
     dtype: str
-    flags: list[torch.Tensor]             # per slot, pinned host: which rows of its read are not finite
     pending: list[Fetch] = field(default_factory=list)
     peer_stream: Any = None               # on the server's device, when the slots are on another
+    flags: list[torch.Tensor] = field(init=False)   # per slot, pinned host: its read's non-finite rows
+
+    def __post_init__(self) -> None:
+        self.flags = [torch.empty(int(t.shape[0]), dtype=torch.bool, pin_memory=True) for t in self.slots]
 
     @property
     def capacity(self) -> int:
@@ -147,8 +150,7 @@ class ServerDevicePlane:
         ready = [ipc.open_event(h, index) for h in msg.ready]
         device = torch.device("cuda", index)
         released = [ipc.new_event(device) for _ in slots]
-        flags = [torch.empty(int(t.shape[0]), dtype=torch.bool, pin_memory=True) for t in slots]
-        return Imported(conn, device, slots, ready, released, torch.cuda.Stream(device), msg.width, msg.dtype, flags)
+        return Imported(conn, device, slots, ready, released, torch.cuda.Stream(device), msg.width, msg.dtype)
 
     # ----------------------------------------------------------------- fetch
     def fetch(self, session_key: str, conn: bytes, req: p.Request) -> bool:
