@@ -20,6 +20,7 @@ are dropped, except while a read of them is still in flight (kept until it compl
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,12 @@ class Imported:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.slots)
+
+
+def _also(stream: Any, out_stream: Any) -> Any:
+    """The slots' device's stream as its current one too, when the read lands on another device
+    (a peer copy); nothing more to enter when it is the same stream."""
+    return contextlib.nullcontext() if stream is out_stream else torch.cuda.stream(stream)
 
 
 def _copy_rows(hidden: torch.Tensor, src: torch.Tensor, first: np.ndarray, counts: np.ndarray, rows: int) -> None:
@@ -202,10 +209,8 @@ class ServerDevicePlane:
         # then. (Allocated on the engine's stream, it could be memory the engine freed a moment ago
         # and still reads in work queued behind a busy stream, which this copy, not ordered after
         # that work, would overwrite: most likely the illegal address P6 met on an H100.)
-        with torch.cuda.stream(out_stream):
+        with _also(stream, out_stream), torch.cuda.stream(out_stream):
             hidden = torch.empty((rows, imp.width), dtype=p.DTYPES[imp.dtype], device=dest)
-        hidden.record_stream(home)
-        with torch.cuda.stream(stream), torch.cuda.stream(out_stream):
             stream.wait_event(imp.ready[slot])       # on the device: the target wrote the slot
             if rows:
                 _copy_rows(hidden, imp.slots[slot], first, counts, rows)
@@ -214,6 +219,7 @@ class ServerDevicePlane:
                 _check_rows(hidden, flags)
             done = torch.cuda.Event()
             done.record(out_stream)
+        hidden.record_stream(home)
         return Fetch(hidden, flags, done, imp)
 
     # ------------------------------------------------------------- lifetime
