@@ -73,10 +73,11 @@ def client(address: str, name: str, b: int, k: int, width: int, seconds: float, 
         c.step(inp)
         times.append(time.perf_counter() - t0)
         pos += 1
-    failures = {n: v for n, v in c.stats()["counters"].items() if n.startswith("failures.")}
+    stats = c.stats()
+    failures = {n: v for n, v in stats["counters"].items() if n.startswith("failures.")}
     c.close()
     queue.put({"client": name, "steps": len(times), "round_trip_median_ms": statistics.median(times) * 1e3,
-               "failures": failures})
+               "failures": failures, "path": stats["device_plane"]["path"]})
 
 
 def run(address: str, engine: str, clients: int, b: int, k: int, seconds: float) -> dict:
@@ -102,6 +103,7 @@ def run(address: str, engine: str, clients: int, b: int, k: int, seconds: float)
             "engine_calls_per_s": calls / seconds, "drafted_requests_per_s": drafted / seconds,
             "requests_per_engine_call": drafted / max(calls, 1), "client_steps": steps,
             "round_trip_median_ms": {r["client"]: round(r["round_trip_median_ms"], 3) for r in results},
+            "hidden_rows_path": sorted({r["path"] for r in results}),      # host, or device (the device plane)
             "failures": {r["client"]: r["failures"] for r in results if r["failures"]}}
 
 

@@ -169,6 +169,10 @@ WAVE_MUTANTS = (
     Mutant("plane-check-misses-inf", "rows read over the device plane holding Inf are refused (not only NaN)",
            "server/rows.py", "    return torch.bitwise_and(words, mask).amax(dim=1) >= first_bad",
            "    return torch.bitwise_and(words, mask).amax(dim=1) > first_bad", ("tests/test_store.py",)),
+    Mutant("loop-reads-after-batch", "a device-row read starts as its message arrives, also while the engine works",
+           "server/loop.py", "                    for conn in self._conns.values():\n                        if conn.queue "
+           "and conn not in proposes:\n                            self._head_fetched(conn)\n", "",
+           ("tests/test_server_loop_reads.py",)),
     Mutant("ring-hold-kept", "a launch gives its ring slot back when the draft thread is done with the step",
            "vllm/spec_decode/v2_launch.py",
            "            if self.ring_slot is not None:\n                self.ring.release(self.ring_slot)\n", "",

@@ -148,10 +148,7 @@ class ServerLoop:
         heads = [c for c in self._conns.values() if c.queue]
         proposes, handled = [], 0
         for conn in heads:
-            item = conn.queue[0]
-            if conn.session is not None and not self.service.store.is_open(conn.session):
-                conn.session = None           # its session ended (bye, perhaps on another connection)
-            if not self._fetched(conn, item):
+            if not self._head_fetched(conn):
                 continue                      # its rows are still on their way from the target's GPU
             item = conn.queue[0]
             handled += 1
@@ -172,15 +169,24 @@ class ServerLoop:
             for conn in proposes:
                 self.service.metrics.session_message(conn.session.name)
             batch = self.service.start_batch([(c.session, c.queue[0]) for c in proposes])
-            while not batch.done():          # the device works: read and decode what arrives
-                if self.sock.poll(0, zmq.POLLIN):
+            while not batch.done():          # the device works: read and decode what arrives, and
+                if self.sock.poll(0, zmq.POLLIN):  # start its device rows' reads (the next round batches it)
                     self._receive_all()
+                    for conn in self._conns.values():
+                        if conn.queue and conn not in proposes:
+                            self._head_fetched(conn)
                 else:
                     time.sleep(0)
             for conn, reply in zip(proposes, batch.finish()):
                 conn.queue.popleft()
                 self._send(conn, reply)
         return handled > 0
+
+    def _head_fetched(self, conn: _Conn) -> bool:
+        """Whether the head message's device-plane rows are here; starts their read if not yet."""
+        if conn.session is not None and not self.service.store.is_open(conn.session):
+            conn.session = None               # its session ended (bye, perhaps on another connection)
+        return self._fetched(conn, conn.queue[0])
 
     def _fetched(self, conn: _Conn, item) -> bool:
         """Whether a head message's device-plane rows are here (a refused read becomes its reply)."""
