@@ -2,8 +2,10 @@
 # On the GPU machine (one H200 is enough), from the repository root, with .gpu-wheels/transport
 # carried (pyzmq and msgspec wheels for the image's Python): the device data plane's tests (GPU and
 # the CPU refusal tests, which hold on a GPU host too) plus the transport's GPU tests, then the
-# device-vs-host benchmarks (draft_rpc.py: propose round trip at B = 1, 8, 32; ingest.py: target
-# blocking per deferred chunk). Everything lands in $OUT (JSON, logs, junit XML); about 5 minutes.
+# device-vs-host benchmarks (draft_rpc.py: propose round trip at B = 1, 8, 32, with the server's timeline,
+# --trace-server; ingest.py: target blocking per deferred chunk), then one server for four targets
+# (multi_client.py: which path the rows took is in its JSON). Everything lands in $OUT (JSON, logs,
+# junit XML); about 7 minutes.
 set -x
 OUT=${OUT:-/tmp/device-plane}
 mkdir -p "$OUT"
@@ -16,9 +18,12 @@ timeout 150 python3 -m pytest -q -rA -p no:cacheprovider --junitxml="$OUT/device
     tests/test_device_plane_gpu.py tests/test_device_plane.py tests/test_transport_hidden.py \
     > "$OUT/device-plane-tests.log" 2>&1
 echo "tests rc=$?" | tee -a "$OUT/rc.txt"; tail -5 "$OUT/device-plane-tests.log"
-timeout 80 python3 benchmarks/draft_rpc.py --iters 40 --batches 1,8,32 --paths host,device \
-    --out "$OUT/draft-rpc-h200.json" > "$OUT/draft-rpc.log" 2>&1
+timeout 200 python3 benchmarks/draft_rpc.py --iters 100 --batches 1,8,32 --paths host,device \
+    --trace-server "$OUT/draft-rpc-server-trace.json" --out "$OUT/draft-rpc-h200.json" > "$OUT/draft-rpc.log" 2>&1
 echo "draft_rpc rc=$?" | tee -a "$OUT/rc.txt"; grep -E '"(path_used|B|round_trip_ms|engine_ms|ratio)' "$OUT/draft-rpc.log" | tr -d '\n '; echo
 timeout 60 python3 benchmarks/ingest.py --sizes 1536x21504,512x21504,128x21504 --iters 8 --warmup 2 \
     --gap-ms 40 --paths host,device --out "$OUT/ingest-h200.json" > "$OUT/ingest.log" 2>&1
 echo "ingest rc=$?" | tee -a "$OUT/rc.txt"; grep '^{"rows"' "$OUT/ingest.log"
+timeout 120 python3 benchmarks/multi_client.py --engine dflash --seconds 5 --out "$OUT/multi-client-h200.json" \
+    > "$OUT/multi-client.log" 2>&1
+echo "multi_client rc=$?" | tee -a "$OUT/rc.txt"; grep -E '"(ratio|requests_per_engine_call)"' "$OUT/multi-client-h200.json"
