@@ -220,11 +220,11 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
                 # the same prompts once untimed first: the timed run is the steady state at this acceptance
                 # length, the untimed one the switch from the previous one (an adaptive controller's cost)
                 write_control(control, {"length": length, "record": str(work / f"record-{b}.json"),
-                                               "seed": b, "tag": f"{name}-switch"})
+                                        "seed": b, "tag": f"{name}-switch"})
                 s0 = drafter_stats(llm)
                 switch_secs, _ = generate(llm, prompts[b], args.tokens)
                 write_control(control, {"length": length, "record": str(work / f"record-{b}.json"),
-                                               "seed": b, "tag": name})
+                                        "seed": b, "tag": name})
                 time.sleep(0.01)
                 s1 = drafter_stats(llm)
                 before = spec_counters(llm)

@@ -30,7 +30,7 @@ def _mark(name: str, info: Any = None) -> None:
     EVENTS.append((name, time.perf_counter(), info))
 
 
-def _around(cls: type, attr: str, before: str | None, after: str | None,
+def _around(cls: Any, attr: str, before: str | None, after: str | None,
             info: Callable[..., Any] | None = None) -> None:
     fn = getattr(cls, attr)
 
@@ -45,26 +45,13 @@ def _around(cls: type, attr: str, before: str | None, after: str | None,
     setattr(cls, attr, wrapped)
 
 
-def _wrap_function(module: Any, name: str) -> None:
-    """A module function called through the module's globals: ``name`` / ``name.done`` marks."""
-    fn = getattr(module, name)
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        _mark(name)
-        out = fn(*args, **kwargs)
-        _mark(f"{name}.done")
-        return out
-    setattr(module, name, wrapped)
-
-
 def install(engine_cls: type) -> None:
     from k3_accel.server import device_plane, loop, service
     _around(loop.ServerLoop, "_enqueue", "recv", None)
     _around(loop.ServerLoop, "_send", None, "sent")
     _around(device_plane.ServerDevicePlane, "_start", "read_issue", "read_issued")
-    for fn in ("_copy_rows", "_check_rows"):
-        _wrap_function(device_plane, fn)
+    for fn in ("_copy_rows", "_check_rows"):         # module functions: wrapped where _read looks them up
+        _around(device_plane, fn, fn, f"{fn}.done")
     ready = device_plane.Fetch.ready
 
     def fetch_ready(self) -> bool:
