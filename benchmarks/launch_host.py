@@ -10,6 +10,12 @@ rows: 5 x 4096 bf16) at B = 1, 8, 32. Host wall time of the call only; the step'
 waited for and its slot released outside the timing.
 
 ``summary.ratio`` = kernels / torch host time at B = 1 (CUDA only; on CPU the table has the torch path).
+
+``held_<impl>_ms``: the same step held instead (:mod:`k3_accel.vllm.spec_decode.v2_held`, what an off
+step costs the step thread while the adaptive controller keeps speculation off: the meta kernel, one
+``torch.cat`` of the aux rows, the copies into a pinned region); ``summary.held_over_launch`` = held /
+launch at B = 1 with the launch the machine uses (kernels on CUDA, torch ops on CPU). A region is
+released outside the timing when full.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]
 
 from report import emit  # noqa: E402
 
-from k3_accel.vllm.spec_decode import v2_launch  # noqa: E402
+from k3_accel.vllm.spec_decode import v2_held, v2_launch  # noqa: E402
 
 MAX_REQS, CAPACITY, AUX, HIDDEN = 64, 512, 5, 4096
 
@@ -45,7 +51,8 @@ def decode_batch(device: torch.device, b: int, pos: int):
         idx_mapping_np=np.arange(b), query_start_loc=torch.from_numpy(qsl).to(device), query_start_loc_np=qsl,
         input_ids=torch.randint(0, 50000, (b,), dtype=torch.int32, device=device),
         positions=torch.full((b,), pos, dtype=torch.int64, device=device),
-        num_computed_prefill_tokens_np=ones * pos, prefill_len_np=ones, num_scheduled_tokens=ones)
+        num_computed_prefill_tokens_np=ones * pos, prefill_len_np=ones, num_scheduled_tokens=ones,
+        num_draft_tokens=0)
 
 
 def time_launch(rows, slots, device, b: int, iters: int) -> float:
@@ -63,6 +70,27 @@ def time_launch(rows, slots, device, b: int, iters: int) -> float:
         times.append(time.perf_counter() - t0)
         step.wait_ready()
         step.release()
+    return statistics.median(times) * 1e3
+
+
+def time_held(rows, device, b: int, iters: int) -> float:
+    batch = decode_batch(device, b, 600)
+    aux = [torch.randn(b, HIDDEN, device=device).to(torch.bfloat16) for _ in range(AUX)]
+    ns = torch.ones(b, dtype=torch.int32, device=device)
+    nr = torch.zeros(b, dtype=torch.int32, device=device)
+    last = torch.randint(0, 50000, (MAX_REQS,), dtype=torch.int64, device=device)
+    nxt = torch.zeros(MAX_REQS, dtype=torch.int32, device=device)
+    keep = np.arange(b)
+    hold = v2_held.HeldSteps.sized(CAPACITY, AUX * HIDDEN, torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
+    times = []
+    for _ in range(iters):
+        if not hold.fits(b):
+            region = hold.take(batch.req_ids)
+            region.wait_ready()
+            region.release()
+        t0 = time.perf_counter()
+        hold.add(rows, batch, aux, ns, nr, last, nxt, keep)
+        times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
 
@@ -89,10 +117,14 @@ def main() -> int:
                 slots = v2_launch.LaunchSlots(2, CAPACITY, AUX * HIDDEN, torch.bfloat16, MAX_REQS, pin=cuda)
                 time_launch(rows, slots, device, b, 20)  # warm-up (Triton compiles, pinned caches)
                 runs[name].append(time_launch(rows, slots, device, b, args.iters))
+                time_held(rows, device, b, 20)
+                runs.setdefault(f"held_{name}", []).append(time_held(rows, device, b, args.iters))
         for name, vals in runs.items():
             row[f"{name}_ms"] = statistics.median(vals)
         if "kernels" in runs:
             row["ratio"] = row["kernels_ms"] / row["torch_ms"]
+        used = "kernels" if "kernels" in impls else "torch"
+        row["held_over_launch"] = row[f"held_{used}_ms"] / row[f"{used}_ms"]
         table.append(row)
         print(row, flush=True)
     machine = (torch.cuda.get_device_name(device) if cuda else f"{platform.machine()}, CPU") + \
@@ -102,6 +134,7 @@ def main() -> int:
            "table": table,
            "summary": {"metric": "host time of one V2 launch (decode step, B = 1): Triton kernels / torch ops",
                        "ratio": table[0].get("ratio"), "goal": 0.5, "machine": machine,
+                       "held_over_launch": table[0]["held_over_launch"],
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
     emit(doc, args.out)
     return 0

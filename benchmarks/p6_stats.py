@@ -77,8 +77,11 @@ def controller_delta(before: dict | None, after: dict | None) -> dict | None:
     if not isinstance(c1, dict):
         return None
     c0 = c0 if isinstance(c0, dict) else {}
+    a0, a1 = ((s or {}).get("adapter") or {} for s in (before if isinstance(before, dict) else {}, after))
     k0, k1 = c0.get("k_chosen", {}), c1.get("k_chosen", {})
     return {"k_chosen": {k: v - k0.get(k, 0) for k, v in k1.items() if v - k0.get(k, 0)},
+            # off steps the step thread held (v2_held) and the regions it handed over
+            **{n: a1.get(n, 0) - a0.get(n, 0) for n in ("held_at_launch", "held_regions")},
             **{n: c1.get(n, 0) - c0.get(n, 0) for n in ("steps", "off_steps", "probe_steps", "held_steps", "stalled_steps",
                                                          "probes_judged", "probe_restarts")},
             **{n: c1.get(n) for n in ("acceptance_per_position", "step_ms", "round_trip_ms", "last_probe",

@@ -90,7 +90,7 @@ def own_buffers_as_device(spec) -> None:
     """The V2 speculator's own device buffers as stand-ins too (a CPU "device" makes plain ones)."""
     spec.drafts, spec._confidence = dev(spec.drafts), dev(spec._confidence)
     if spec.rows is not None:
-        for name in ("token_ids", "hidden", "meta", "rows"):
+        for name in ("token_ids", "hidden", "meta", "rows", "ones"):
             setattr(spec.rows, name, dev(getattr(spec.rows, name)))
 
 

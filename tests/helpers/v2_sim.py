@@ -234,11 +234,14 @@ class Sim:
         return ib, aux_states, num_sampled, num_rejected
 
     def _prefill_fields(self, sched: Sequence[Sched], slots: np.ndarray, counts: np.ndarray) -> dict:
-        """The host-side prefill state vLLM's input prep sets (a step samples once its prefill ends)."""
+        """The host-side prefill state vLLM's input prep sets (a step samples once its prefill ends),
+        and the drafts scheduled (being verified) this step."""
         prefill = self.req_states.prefill_len.np[slots].astype(np.int32)
         done = np.minimum(np.array([s.start for s in sched], dtype=np.int32), prefill)
+        drafts = np.array([s.drafts for s in sched], dtype=np.int32)
         fields = {"prefill_len_np": prefill, "num_computed_prefill_tokens_np": done,
-                  "is_prefilling_np": done < prefill}
+                  "is_prefilling_np": done < prefill, "num_draft_tokens": int(drafts.sum()),
+                  "num_draft_tokens_per_req": drafts if drafts.any() else None}
         from vllm.v1.worker.gpu.input_batch import InputBatch
         names = {f.name for f in dataclasses.fields(InputBatch)}
         return {k: v for k, v in fields.items() if k in names}

@@ -106,6 +106,42 @@ class DraftPipeline(StepWatch):
         self._jobs.put((lambda client: self._step(launch, seq, held), None))
         return seq
 
+    def count_held(self, facts: Any, at: float) -> None:
+        """A step the step thread held (:mod:`.v2_held`): the controller counts it, in step order,
+        as one it drafted nothing for (``at``: when it reached the plugin); nothing is shipped."""
+        controller = self.controller
+
+        def count(client):
+            try:
+                controller.step(facts, _nothing, held=True, at=at)
+            finally:
+                if self.gate is not None:
+                    self.gate.set(gate_value(controller))
+        self.call(count, wait=False)
+
+    def submit_held(self, launch: Any) -> None:
+        """Queue a region of held steps (:class:`~.v2_held.HeldLaunch`): once its copies are done,
+        their rows join :attr:`off_rows` (merged, ahead of anything queued after them)."""
+        if self._closed or not self._thread.is_alive():
+            launch.release()
+            raise PipelineClosed("the draft thread is closed")
+
+        def held(client):
+            try:
+                launch.wait_ready()
+                for inp in launch.step_inputs():
+                    if not self.off_rows.fits(inp):
+                        self.ship_held()
+                    if self.off_rows.fits(inp):
+                        self.off_rows.add(inp, owned=True)
+                    else:
+                        client.step(inp)
+            except Exception:  # noqa: BLE001 - fail closed: the requests see a gap and stop drafting
+                self.on_failure("step_input", "shipping the held steps' rows")
+            finally:
+                launch.release()
+        self.call(held, wait=False)
+
     def reply_rows(self, seq: int, rows: int, k: int) -> torch.Tensor:
         """The pinned reply of step ``seq`` (``[rows, k]``), valid once the fence passed ``seq``."""
         return self.reply[seq % 2, :rows, :k]
@@ -326,6 +362,10 @@ class DraftPipeline(StepWatch):
         if telemetry is not None and prev not in (None, "done") and since is not None:
             telemetry.add(f"v2.{prev}", now - since)
         self._where.update(phase=phase or "done", t=now)
+
+
+def _nothing(inp: Any) -> StepOutput:
+    return StepOutput(torch.full((len(inp.req_ids), 0), -1, dtype=torch.int64), deferred=True)
 
 
 __all__ = ["DraftPipeline", "PipelineClosed"]

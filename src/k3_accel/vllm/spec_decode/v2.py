@@ -43,7 +43,8 @@ import torch
 from k3_accel.vllm.compat import require
 from k3_accel.vllm.spec_decode import confidence
 from k3_accel.vllm.spec_decode.core import RemoteDrafter, finishes_after_prefill
-from k3_accel.vllm.spec_decode.v2_launch import DeviceRows, LaunchSlots, launch, samples_host
+from k3_accel.vllm.spec_decode.v2_held import HeldFacts, HeldSteps
+from k3_accel.vllm.spec_decode.v2_launch import DeviceRows, LaunchSlots, launch, samples_host, step_rows
 
 log = logging.getLogger("k3_accel.vllm")
 
@@ -141,7 +142,7 @@ class RemoteSpeculatorMixin:
         self.drafts = torch.full((self.max_num_reqs, k), -1, dtype=torch.int64, device=self.device)
         self.pcp_manager = None
         self.core = RemoteDrafter(self.device)
-        self.rows = self.slots = None
+        self.rows = self.slots = self.hold = None
         self.disabled: str | None = None
         try:
             self.core.open(vllm_config, self.device, ring=self.device.type == "cuda")
@@ -151,6 +152,9 @@ class RemoteSpeculatorMixin:
                 self.rows = DeviceRows(f.max_rows, f.context_width, f.hidden_dtype, self.max_num_reqs, self.device)
                 self.slots = LaunchSlots(LAUNCH_DEPTH, f.max_rows, f.context_width, f.hidden_dtype,
                                          self.max_num_reqs, pin=self.device.type == "cuda")
+                if session.pipeline.controller is not None:      # off steps are held from the launch on
+                    self.hold = HeldSteps.sized(f.max_rows, f.context_width, f.hidden_dtype, self.max_num_reqs,
+                                                pin=self.device.type == "cuda")
         except Exception as exc:  # noqa: BLE001 - a hook must never take vLLM down
             self.disabled = f"{type(exc).__name__}: {exc}"
             log.error("k3-accel: remote drafting is OFF for this engine (%s); the target runs without drafts",
@@ -251,13 +255,19 @@ class RemoteSpeculatorMixin:
         if not session.is_driver:
             return None
         keep, fresh = plan
+        aux = aux if session.ships_hidden else None
+        prompts = history_rows(input_batch, keep, fresh)
+        if held and self.hold is not None and HeldSteps.eligible(input_batch, prompts) and \
+                self._hold(session, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
+                           keep):
+            return None
+        self._hand_over_held()                # what is held reaches the server before this step
         if session.link_down([input_batch.req_ids[i] for i in keep.tolist()]):
             return None
         try:
             ring = session.plane_ring()
-            step = launch(self.rows, self.slots, input_batch, aux if session.ships_hidden else None,
-                          num_sampled, num_rejected, last_sampled, next_prefill_tokens, keep, k,
-                          history_rows(input_batch, keep, fresh), self._token_rows(), self._slot_wait_s(session),
+            step = launch(self.rows, self.slots, input_batch, aux, num_sampled, num_rejected, last_sampled,
+                          next_prefill_tokens, keep, k, prompts, self._token_rows(), self._slot_wait_s(session),
                           self._sampling if k > 0 else None, ring)
             if ring is not None and step.ring_slot is None and step.width:
                 self.core.counters["ring_host_steps"] += 1     # the plane is on, this step's rows went pinned
@@ -265,6 +275,43 @@ class RemoteSpeculatorMixin:
         except Exception:  # noqa: BLE001 - fail closed
             self.core.failures.record("step_input", "launching the step's context")
             return None
+
+    def _hold(self, session, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
+              keep: np.ndarray) -> bool:
+        """Hold an off step (:mod:`.v2_held`): its rows wait in pinned memory, the controller counts it.
+        False: not held (the link is down, or no region has room), the caller launches it."""
+        client = session.client
+        if client is None or client.down:
+            return False
+        r, n = step_rows(input_batch, aux)
+        if not self.hold.fits(n):
+            self._hand_over_held()
+            if not self.hold.fits(n):
+                return False
+        pipeline = session.pipeline
+        try:
+            at = pipeline.controller.clock()
+            self.hold.add(self.rows, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
+                          keep)
+            qsl = np.asarray(input_batch.query_start_loc_np, dtype=np.int64)
+            pipeline.count_held(HeldFacts([input_batch.req_ids[i] for i in keep.tolist()],
+                                          (qsl[keep + 1] - qsl[keep]).tolist(), samples_host(input_batch, r)[keep].tolist(),
+                                          [0] * int(keep.size)), at)
+            self.core.counters["held_at_launch"] += 1
+        except Exception:  # noqa: BLE001 - fail closed
+            self.core.failures.record("step_input", "holding an off step's rows")
+        return True
+
+    def _hand_over_held(self) -> None:
+        """The held steps' rows go to the draft thread (ahead of anything launched after)."""
+        if self.hold is None or not len(self.hold):
+            return
+        held = self.hold.take(self.core.known.ids)
+        try:
+            self.core.session.pipeline.submit_held(held)
+            self.core.counters["held_regions"] += 1
+        except Exception:  # noqa: BLE001 - fail closed: the requests see a gap and stop drafting
+            self.core.failures.record("step_input", "handing over the held steps")
 
     def _draft(self, plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
                k: int, cols: torch.Tensor) -> None:
@@ -322,6 +369,7 @@ class RemoteSpeculatorMixin:
     def flush(self) -> None:
         """Wait until every step handed to the draft thread is on the server (tests, shutdown)."""
         if self.core.session is not None:
+            self._hand_over_held()
             self.core.session.flush()
 
     def close(self) -> None:

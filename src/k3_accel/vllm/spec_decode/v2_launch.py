@@ -163,6 +163,7 @@ class DeviceRows:
         self.rows = torch.arange(capacity, dtype=torch.int64, device=device)
         self.excl = torch.empty(max_reqs, dtype=torch.int64, device=device)   # each request's first compacted row
         self.dst = torch.empty(capacity, dtype=torch.int64, device=device)    # where each row of the step went
+        self.ones = torch.ones(max_reqs, dtype=torch.int64, device=device)    # every request kept (held steps)
         self.device = device
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
@@ -180,7 +181,7 @@ class DeviceRows:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.token_ids, self.hidden, self.meta, self.rows,
-                                                           self.excl, self.dst) if t is not None)
+                                                           self.excl, self.dst, self.ones) if t is not None)
 
 
 @dataclass
@@ -263,12 +264,7 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
     ``(temperature [max_reqs] float32, seeds [max_reqs] int64)`` by slot, for sampled drafts.
     ``ring``: the device plane's ring, when it is on (see the module docstring).
     """
-    r = int(input_batch.num_reqs)
-    qsl_np = np.asarray(input_batch.query_start_loc_np[: r + 1], dtype=np.int64)
-    # the host's row count is an upper bound when vLLM's adaptive verification trims drafts on the
-    # device (query_start_loc is then rewritten there): rows past the device's end go to the dump row
-    n = min(int(qsl_np[r]), int(input_batch.input_ids.shape[0]),
-            *(int(h.shape[0]) for h in (aux or ())))
+    r, n = step_rows(input_batch, aux)
     if n > rows.capacity:
         raise ValueError(f"{n} rows exceed the staging capacity of {rows.capacity}")
     dev = rows.device
@@ -305,7 +301,13 @@ def launch(rows: DeviceRows, slots: LaunchSlots, input_batch: Any, aux: Sequence
                 prompt_rows[rid] = torch.empty(count, dtype=torch.int64, pin_memory=rows.cuda and pinning_available())
                 prompt_rows[rid].copy_(src, non_blocking=True)
         host_hidden = bool(aux) and ring_slot is None
-        ready = _copy_out(rows, slots, slot, r, n, compute, host_hidden)
+        # every pair densely laid out on both sides: a column slice of the meta (``[:, :r]``) is
+        # not, and torch then makes the "non_blocking" D2H copy synchronous (vLLM's sync check
+        # caught it on the H200); the whole meta is META_ROWS x max_reqs int64, a few KiB
+        pairs = [(slots.meta[slot], rows.meta), (slots.token_ids[slot][:n], rows.token_ids[:n])]
+        if host_hidden and rows.hidden is not None:
+            pairs.append((slots.hidden[slot][:n], rows.hidden[:n]))
+        ready = copy_out(rows, pairs, compute)
         hidden_bytes = slots.hidden[slot][:n].nbytes if host_hidden and slots.hidden[slot] is not None else 0
         slots.hold(slot, ready, 8 * n + hidden_bytes)
         return Launch(list(input_batch.req_ids[:r]), np.asarray(keep, dtype=np.int64), k, r, slots, slot,
@@ -361,14 +363,10 @@ def _to_device(host: np.ndarray, dev: torch.device) -> torch.Tensor:
     return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
 
 
-def _copy_out(rows: DeviceRows, slots: LaunchSlots, slot: int, r: int, n: int, compute: Any,
-              hidden: bool) -> Any:
-    # every pair densely laid out on both sides: a column slice of the meta (``[:, :r]``) is
-    # not, and torch then makes the "non_blocking" D2H copy synchronous (vLLM's sync check
-    # caught it on the H200); the whole meta is META_ROWS x max_reqs int64, a few KiB
-    pairs = [(slots.meta[slot], rows.meta), (slots.token_ids[slot][:n], rows.token_ids[:n])]
-    if hidden and rows.hidden is not None:
-        pairs.append((slots.hidden[slot][:n], rows.hidden[:n]))
+def copy_out(rows: DeviceRows, pairs: list[tuple[torch.Tensor, torch.Tensor]], compute: Any) -> Any:
+    """Copy each ``(pinned destination, device source)`` pair on the rows' side stream after the
+    compute stream's work so far; the event that completes with the copies (also
+    ``rows.copied``: the next write into the buffers waits for it). Plain copies on the CPU (None)."""
     if compute is None:
         for dst, src in pairs:
             dst.copy_(src, non_blocking=True)     # a plain copy on the CPU
@@ -383,4 +381,14 @@ def _copy_out(rows: DeviceRows, slots: LaunchSlots, slot: int, r: int, n: int, c
     return done
 
 
-__all__ = ["DeviceRows", "Launch", "LaunchSlots", "launch", "samples_host", "scatter_torch"]
+def step_rows(input_batch: Any, aux: Sequence[torch.Tensor] | None) -> tuple[int, int]:
+    """``(requests, rows)`` of the step. The host's row count is an upper bound when vLLM's
+    adaptive verification trims drafts on the device (query_start_loc is then rewritten there):
+    rows past the device's end are never context."""
+    r = int(input_batch.num_reqs)
+    n = min(int(input_batch.query_start_loc_np[r]), int(input_batch.input_ids.shape[0]),
+            *(int(h.shape[0]) for h in (aux or ())))
+    return r, n
+
+
+__all__ = ["DeviceRows", "Launch", "LaunchSlots", "copy_out", "launch", "samples_host", "scatter_torch", "step_rows"]

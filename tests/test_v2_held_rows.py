@@ -1,0 +1,101 @@
+"""A held step (``v2_held``) reaches the server with exactly the rows a launched one would have.
+
+Random V2 steps (rejected rows, requests left out, prefill chunks, a device query layout trimmed
+below the host's, a block with no valid row) go both ways: launched (:func:`~.v2_launch.launch`,
+:meth:`~.v2_launch.Launch.step_input`) and held, several to a region (:meth:`~.v2_held.HeldSteps.add`,
+:meth:`~.v2_held.HeldLaunch.step_inputs`). Every field the server uses must be equal (integers and
+copied rows: exact). On the CPU the torch launch runs; on a GPU the Triton kernels and the copies
+into pinned memory on the side stream.
+"""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from launch_triton_check import MAX_REQS, random_step
+
+from k3_accel.vllm.spec_decode.v2_held import HOLD_STEPS, HeldSteps
+from k3_accel.vllm.spec_decode.v2_launch import DeviceRows, LaunchSlots, launch
+
+CAPACITY, WIDTHS = 512, (8, 4)
+
+
+def _batch(step: dict, rng: np.random.Generator, device: torch.device):
+    r, n = step["r"], step["n"]
+    host_ran = np.diff(step["qsl"].cpu().numpy())
+    host_ran[-1] += n - int(step["qsl"][-1])            # the host's layout ends at n (an upper bound)
+    qsl_np = np.concatenate([[0], np.cumsum(host_ran)]).astype(np.int32)
+    ids = [f"q{int(i)}" for i in rng.permutation(1000)[:r]]
+    aux = [torch.randn(n, w).to(torch.bfloat16).to(device) for w in WIDTHS]
+    batch = types.SimpleNamespace(
+        req_ids=ids, num_reqs=r, idx_mapping=step["slot_idx"], idx_mapping_np=step["slot_idx"].cpu().numpy(),
+        query_start_loc=step["qsl"], query_start_loc_np=qsl_np, input_ids=step["input_ids"],
+        positions=step["positions"], num_draft_tokens=0)
+    keep = np.flatnonzero(step["kept"].cpu().numpy())
+    return batch, aux, keep
+
+
+def _fields(inp) -> tuple:
+    return (list(inp.req_ids), [int(c) for c in inp.counts], inp.positions.tolist(), inp.token_ids.tolist(),
+            None if inp.hidden is None else inp.hidden.float().tolist(), [int(a) for a in inp.anchor_positions],
+            [int(a) for a in inp.anchor_tokens], [bool(s) for s in inp.sampled])
+
+
+def _launched(step, batch, aux, keep, device):
+    rows = DeviceRows(CAPACITY, sum(WIDTHS), torch.bfloat16, MAX_REQS, device)
+    slots = LaunchSlots(2, CAPACITY, sum(WIDTHS), torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
+    out = launch(rows, slots, batch, aux, step["num_sampled"], step["num_rejected"], step["last"], step["nxt"],
+                 keep, 0, {}, None, 5.0)
+    out.wait_ready()
+    try:
+        return _fields(out.step_input())
+    except ValueError:
+        return ValueError
+    finally:
+        out.release()
+
+
+def check(device: torch.device, steps: int, seed: int) -> int:
+    rng = np.random.default_rng(seed)
+    rows = DeviceRows(CAPACITY, sum(WIDTHS), torch.bfloat16, MAX_REQS, device)
+    hold = HeldSteps(CAPACITY * 4, sum(WIDTHS), torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
+    compared = 0
+    while compared < steps:
+        want, live = [], set()
+        for _ in range(int(rng.integers(1, HOLD_STEPS + 1))):
+            step = random_step(rng, device.type)
+            batch, aux, keep = _batch(step, rng, device)
+            if not hold.fits(step["n"]):
+                break
+            want.append(_launched(step, batch, aux, keep, device))
+            hold.add(rows, batch, aux, step["num_sampled"], step["num_rejected"], step["last"], step["nxt"], keep)
+            live.update(batch.req_ids)
+        held = hold.take(live)
+        held.wait_ready()
+        got = []
+        try:
+            for inp in held.step_inputs():
+                got.append(_fields(inp))
+        except ValueError:
+            got.append(ValueError)
+        finally:
+            held.release()
+        expect = [w for w in want if w is not ValueError and w[0]]
+        if ValueError in want:                       # a block with no valid row: the region is refused
+            expect = expect[: want.index(ValueError)] + [ValueError]
+            expect = [w for w in expect if w is ValueError or w[0]]
+        assert got == expect
+        compared += len(want)
+    return compared
+
+
+def test_held_steps_ship_the_rows_a_launch_would():
+    assert check(torch.device("cpu"), 150, 0) >= 150
+
+
+@pytest.mark.gpu
+def test_held_steps_ship_the_rows_a_launch_would_on_the_gpu():
+    assert check(torch.device("cuda"), 300, 1) >= 300

@@ -1,0 +1,176 @@
+"""Off steps held from the launch on (V2, ``v2_held``), driven with vLLM 0.33's real V2 objects on CPU
+against a real ngram draft server.
+
+The rules a user relies on: while the adaptive controller keeps speculation off, an off step costs
+the step thread a few launches and nothing reaches the server; the controller still counts every
+such step; the first step that drafts again sees the whole context, in order (the ngram server's
+drafts are prompt lookup over exactly what it was sent); a request vLLM dropped while its rows
+were held never has them shipped; the step never reads device data on the host.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from helpers.standin import DeviceSim, own_buffers_as_device
+from helpers.v2_sim import K, Sched, Sim, client_stats, expected_v2, server_stats
+
+pytestmark = pytest.mark.vllm
+spec_decode = pytest.importorskip("vllm.v1.worker.gpu.spec_decode")
+
+
+def _speculator(vllm_config, sim, address, monkeypatch):
+    from k3_accel.vllm.spec_decode import hooks
+
+    hooks.install_v2()
+    monkeypatch.setenv("VLLM_K3_DRAFT_REMOTE_ADDRESS", address)
+    monkeypatch.setenv("VLLM_K3_DRAFT_ADAPTIVE", "on")
+    monkeypatch.setenv("VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS", "20000")   # a CPU server on a busy box: not timing
+    spec = spec_decode.init_speculator(vllm_config, torch.device("cpu"), sim.req_states)
+    assert spec.hold is not None
+    return spec
+
+
+def _off(spec) -> None:
+    """The controller has measured that no draft pays, and no probe is due for long. Its clock moves
+    10 ms a reading, so every step costs the same whatever its tokens: no real timing."""
+    ctl = spec.core.session.pipeline.controller
+    ticks = itertools.count()
+    ctl.clock = lambda: next(ticks) * 0.010
+    ctl.acceptance.tried[:] = 1000.0
+    for tokens in (1, 2, 3, 4):
+        ctl.cost.observe(tokens, 0.010 + 0.001 * tokens)
+    ctl._off, ctl._interval = 1, 10 ** 6
+
+
+def _on(spec) -> None:
+    ctl = spec.core.session.pipeline.controller
+    ctl._off, ctl._interval = 0, ctl.s.probe_interval
+    ctl.acceptance.tried[:] = ctl.acceptance.accepted[:] = 1000.0     # measured: every draft accepted
+
+
+def _server_now(spec) -> dict:
+    """The server's stats without handing over what the step thread holds (``server_stats`` flushes)."""
+    return spec.core.session.pipeline.call(lambda c: c.server_stats())
+
+
+@pytest.fixture
+def speculator(vllm_config, tp_group, ngram_server, monkeypatch):
+    sim = Sim()
+    spec = _speculator(vllm_config, sim, ngram_server.address, monkeypatch)
+    _off(spec)
+    yield spec, sim
+    spec.close()
+
+
+def test_off_steps_reach_no_server_until_a_step_drafts_and_then_the_context_is_whole(speculator):
+    spec, sim = speculator
+    a, b = [7, 8, 9, 10, 11] * 3 + [1, 2], [1, 2, 3, 4, 1, 2, 3]
+    sim.add("a", a, max_tokens=64)
+    sim.add("b", b, max_tokens=64)
+    sim.propose(spec, [Sched("a", 0, a[:10], next_prompt=a[10]), Sched("b", 0, b, sampled=4)], k=0)
+    sim.propose(spec, [Sched("a", 10, a[10:], sampled=3), Sched("b", 7, [4], sampled=1)], k=0)
+    ha, hb = a + [3], b + [4, 1]
+    for t in range(6):                                 # plain decodes (the gate closed: K = 0)
+        sa, sb = 20 + t, 30 + t
+        sim.propose(spec, [Sched("a", len(ha) - 1, [ha[-1]], sampled=sa),
+                           Sched("b", len(hb) - 1, [hb[-1]], sampled=sb)], k=0)
+        ha.append(sa)
+        hb.append(sb)
+    held = 8
+    assert spec.stats()["adapter"]["held_at_launch"] == held
+    now = _server_now(spec)
+    assert not now["ops"].get("ingest") and not now["ops"].get("propose") and now["ingested_rows"] == 0
+    ctl = spec.core.session.pipeline.controller
+    assert ctl.counters["held_steps"] == held           # the controller counted every one of them
+    _on(spec)
+    # the next step drafts: the held rows go first, merged, and the drafts see all of them
+    d = sim.propose(spec, [Sched("a", len(ha) - 1, [ha[-1]], sampled=9),
+                           Sched("b", len(hb) - 1, [hb[-1]], sampled=2)])
+    assert d.tolist() == [expected_v2(ha, 9), expected_v2(hb, 2)]
+    stats = server_stats(spec)
+    assert stats["errors"] == {} and stats["ingested_rows"] == len(ha) + len(hb)
+    assert stats["ops"]["ingest"] == 1                  # eight steps' rows in one ingest
+    assert spec.stats()["adapter"]["held_regions"] == 1
+    assert not client_stats(spec)["counters"].get("failures")
+
+
+def test_a_step_that_verifies_drafts_is_launched_after_what_was_held(speculator):
+    """A step verifying drafts (vLLM's adaptive verification off: the scheduler still gives off steps
+    K filler slots) has rows only the GPU can count: it is launched, after the held rows, in order."""
+    spec, sim = speculator
+    a = [4, 5, 6, 4, 5, 6, 4]
+    sim.add("a", a, max_tokens=64)
+    sim.propose(spec, [Sched("a", 0, a, sampled=5)], k=0)                      # held
+    sim.propose(spec, [Sched("a", 7, [5], sampled=6)], k=K)                   # held (off, no fillers yet)
+    assert spec.stats()["adapter"]["held_at_launch"] == 2
+    # K fillers verified, 3 of them rejected (the filler is the last sampled token: 6 accepted once)
+    sim.propose(spec, [Sched("a", 8, [6, 6, 1, 1, 1], sampled=4, rejected=3, drafts=4)], k=K)
+    assert spec.stats()["adapter"]["held_at_launch"] == 2 and spec.stats()["adapter"]["held_regions"] == 1
+    history = a + [5, 6, 6]
+    _on(spec)
+    d = sim.propose(spec, [Sched("a", len(history), [4], sampled=5)])
+    assert d.tolist() == [expected_v2(history + [4], 5)]
+    assert server_stats(spec)["errors"] == {}
+
+
+def test_rows_of_a_request_dropped_while_held_are_never_shipped(speculator):
+    spec, sim = speculator
+    a, b = [1, 2, 3, 1, 2, 3, 1], [9, 8, 9, 8]
+    sim.add("a", a, max_tokens=64)
+    sim.add("b", b, max_tokens=64)
+    # b first in the batch: once it is dropped, a's rows are not where a compacted layout would put them
+    sim.propose(spec, [Sched("b", 0, b, sampled=9), Sched("a", 0, a, sampled=2)], k=0)
+    sim.propose(spec, [Sched("b", 4, [9], sampled=8), Sched("a", 7, [2], sampled=3)], k=0)
+    sim.remove("b")                                    # finished: vLLM drops it from its request state
+    sim.propose(spec, [Sched("a", 8, [3], sampled=1)], k=0)
+    _on(spec)
+    d = sim.propose(spec, [Sched("a", 9, [1], sampled=2)])
+    history = a + [2, 3, 1]
+    assert d.tolist() == [expected_v2(history, 2)]
+    stats = server_stats(spec)
+    assert stats["errors"] == {} and stats["ingested_rows"] == len(history)     # none of b's
+    assert not client_stats(spec)["counters"].get("failures")
+
+
+def test_a_full_region_goes_to_the_server_by_itself_and_the_next_one_fills(speculator):
+    from k3_accel.vllm.spec_decode.v2_held import HOLD_STEPS
+
+    spec, sim = speculator
+    h = [3, 1, 4, 1, 5, 9, 2, 6]
+    sim.add("a", h, max_tokens=200)
+    sim.propose(spec, [Sched("a", 0, h, sampled=5)], k=0)
+    h.append(5)
+    for t in range(HOLD_STEPS + 5):
+        s = 10 + t % 40
+        sim.propose(spec, [Sched("a", len(h) - 1, [h[-1]], sampled=s)], k=0)
+        h.append(s)
+    assert spec.stats()["adapter"]["held_at_launch"] == HOLD_STEPS + 6
+    assert spec.stats()["adapter"]["held_regions"] == 1          # the first region, full
+    _on(spec)
+    d = sim.propose(spec, [Sched("a", len(h) - 1, [h[-1]], sampled=7)])
+    assert d.tolist() == [expected_v2(h, 7)]
+    stats = server_stats(spec)
+    assert stats["errors"] == {} and stats["ingested_rows"] == len(h)
+
+
+def test_a_held_step_never_reads_device_data_on_the_host(vllm_config, tp_group, ngram_server, monkeypatch):
+    sim = DeviceSim()
+    spec = _speculator(vllm_config, sim, ngram_server.address, monkeypatch)
+    try:
+        own_buffers_as_device(spec)
+        _off(spec)
+        a = [7, 8, 9, 10, 11] * 3 + [1, 2, 3]
+        sim.add("a", a, max_tokens=64)
+        sim.propose(spec, [Sched("a", 0, a, sampled=7)], k=0)
+        sim.propose(spec, [Sched("a", len(a), [7], sampled=8)], k=0)
+        assert spec.stats()["adapter"]["held_at_launch"] == 2
+        _on(spec)
+        d = sim.propose(spec, [Sched("a", len(a) + 1, [8], sampled=7)])
+        assert d.tolist() == [expected_v2(a + [7, 8], 7)]
+        assert not spec.stats()["adapter"].get("failures")
+        assert server_stats(spec)["errors"] == {}
+    finally:
+        spec.close()
