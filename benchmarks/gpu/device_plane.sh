@@ -4,8 +4,8 @@
 # the CPU refusal tests, which hold on a GPU host too) plus the transport's GPU tests, then the
 # device-vs-host benchmarks (draft_rpc.py: propose round trip at B = 1, 8, 32, with the server's timeline,
 # --trace-server; ingest.py: target blocking per deferred chunk), then one server for four targets
-# (multi_client.py: which path the rows took is in its JSON). Everything lands in $OUT (JSON, logs,
-# junit XML); about 7 minutes.
+# (multi_client.py: which path the rows took is in its JSON); also the V2 launch's GPU tests and
+# launch_host.py (held off steps). Everything lands in $OUT (JSON, logs, junit XML); about 9 minutes.
 set -x
 OUT=${OUT:-/tmp/device-plane}
 mkdir -p "$OUT"
@@ -18,6 +18,13 @@ timeout 150 python3 -m pytest -q -rA -p no:cacheprovider --junitxml="$OUT/device
     tests/test_device_plane_gpu.py tests/test_device_plane.py tests/test_transport_hidden.py \
     > "$OUT/device-plane-tests.log" 2>&1
 echo "tests rc=$?" | tee -a "$OUT/rc.txt"; tail -5 "$OUT/device-plane-tests.log"
+# the V2 launch on the GPU: held off steps against launched ones, the kernels against the torch ops, and
+# the step thread's host time of a held step against a launch's (benchmarks/launch_host.py)
+timeout 150 python3 -m pytest -q -rA -p no:cacheprovider --junitxml="$OUT/v2-launch-tests.xml" \
+    tests/test_v2_held_rows.py tests/test_v2_launch_scatter.py > "$OUT/v2-launch-tests.log" 2>&1
+echo "v2 launch tests rc=$?" | tee -a "$OUT/rc.txt"; tail -3 "$OUT/v2-launch-tests.log"
+timeout 120 python3 benchmarks/launch_host.py --out "$OUT/launch-host.json" > "$OUT/launch-host.log" 2>&1
+echo "launch_host rc=$?" | tee -a "$OUT/rc.txt"; grep -E '"(B|kernels_ms|held_kernels_ms|held_over_launch)"' "$OUT/launch-host.json" | tr -d '\n '; echo
 timeout 200 python3 benchmarks/draft_rpc.py --iters 100 --batches 1,8,32 --paths host,device \
     --trace-server "$OUT/draft-rpc-server-trace.json" --out "$OUT/draft-rpc-h200.json" > "$OUT/draft-rpc.log" 2>&1
 echo "draft_rpc rc=$?" | tee -a "$OUT/rc.txt"; grep -E '"(path_used|B|round_trip_ms|engine_ms|ratio)' "$OUT/draft-rpc.log" | tr -d '\n '; echo

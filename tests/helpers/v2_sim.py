@@ -78,7 +78,7 @@ def expected_v2(history: Sequence[int], anchor: int, k: int = K) -> list[int]:
 
 # ------------------------------------------------------------- vLLM pieces
 def build_vllm_config(tmp_dir, *, address: str | None = None, num_speculative_tokens: int = K,
-                      method: str = "dflash"):
+                      method: str = "dflash", max_num_seqs: int = MAX_REQS):
     """A real ``VllmConfig``: tiny Qwen3 target + tiny DFlash draft, dflash method (~20 s)."""
     from vllm.engine.arg_utils import EngineArgs
 
@@ -90,7 +90,7 @@ def build_vllm_config(tmp_dir, *, address: str | None = None, num_speculative_to
                               dtype="bfloat16")
     extra = {"k3_accel": {"draft_address": address}} if address else {}
     args = EngineArgs(model=str(target), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_TOKENS,
-                      max_num_seqs=MAX_REQS, enforce_eager=True, additional_config=extra,
+                      max_num_seqs=max_num_seqs, enforce_eager=True, additional_config=extra,
                       speculative_config={"method": method, "model": str(draft),
                                           "num_speculative_tokens": num_speculative_tokens})
     return args.create_engine_config()

@@ -31,7 +31,9 @@ thread reads the other; with both busy, the step launches as before.
 A step is held only when the host knows its rows exactly: no drafts were verified in
 it (``num_draft_tokens == 0``, so every row of a kept request is valid: with the
 scheduler gate, :mod:`.gate`, every off step), no request needs its token history
-attached, and the link is up.
+attached (the launch copies it), and the link is up. A step that verifies drafts may be
+verifying a probe's (the step thread can run ahead of the controller's verdict): the
+controller must learn from the GPU's count of its valid rows, so it is launched.
 """
 from __future__ import annotations
 
