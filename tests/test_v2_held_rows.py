@@ -44,11 +44,13 @@ def _fields(inp) -> tuple:
             [int(a) for a in inp.anchor_tokens], [bool(s) for s in inp.sampled])
 
 
-def _launched(step, batch, aux, keep, device):
-    rows = DeviceRows(CAPACITY, sum(WIDTHS), torch.bfloat16, MAX_REQS, device)
-    slots = LaunchSlots(2, CAPACITY, sum(WIDTHS), torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
-    out = launch(rows, slots, batch, aux, step["num_sampled"], step["num_rejected"], step["last"], step["nxt"],
-                 keep, 0, {}, None, 5.0)
+def _launch(rows, slots, step, batch, aux, keep):
+    return launch(rows, slots, batch, aux, step["num_sampled"], step["num_rejected"], step["last"], step["nxt"],
+                  keep, 0, {}, None, 5.0)
+
+
+def _read(out):
+    """The launched step's input, once its copy is done (ValueError: a block with no valid row)."""
     out.wait_ready()
     try:
         return _fields(out.step_input())
@@ -60,7 +62,11 @@ def _launched(step, batch, aux, keep, device):
 
 def check(device: torch.device, steps: int, seed: int) -> int:
     rng = np.random.default_rng(seed)
+    # one set of device buffers for both, each step launched then held at once: on a GPU the held
+    # step's writes must wait for the launch's copy out of the buffers, and the next launch's for the
+    # held step's
     rows = DeviceRows(CAPACITY, sum(WIDTHS), torch.bfloat16, MAX_REQS, device)
+    slots = LaunchSlots(2, CAPACITY, sum(WIDTHS), torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
     hold = HeldSteps(CAPACITY * 4, sum(WIDTHS), torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
     compared = 0
     while compared < steps:
@@ -70,8 +76,10 @@ def check(device: torch.device, steps: int, seed: int) -> int:
             batch, aux, keep = _batch(step, rng, device)
             if not hold.fits(step["n"]):
                 break
-            want.append(_launched(step, batch, aux, keep, device))
+            out = _launch(rows, slots, step, batch, aux, keep)
+            # held into the same device buffers before the launch's copy out of them is waited for
             hold.add(rows, batch, aux, step["num_sampled"], step["num_rejected"], step["last"], step["nxt"], keep)
+            want.append(_read(out))
             live.update(batch.req_ids)
         held = hold.take(live)
         held.wait_ready()
