@@ -5,7 +5,7 @@
 # to ~/stash by back-to-back calls (benchmarks/gpu/README.md). install: reassemble, check the
 # sha256, pip install --no-deps into /tmp/vsite, register k3-accel's vLLM entry point (vLLM finds
 # general plugins through installed distributions; the code itself runs from src/), and check
-# that vLLM and its stable-ABI libraries load. gputest: the GPU tests of the oracle engine, the fence, coalesced ingest and the launch kernels.
+# that vLLM and its stable-ABI libraries load. gputest: the GPU tests of the oracle engine, the fence, coalesced ingest, the launch kernels and held off steps.
 # coalesce: benchmarks/coalesce.py (the server's engine alone, no vLLM). tiny: benchmarks/vllm_e2e_tiny.py. p6:
 # benchmarks/e2e_p6.py. Results and logs go to $OUT (default /tmp/vllm-e2e).
 set -x
@@ -60,7 +60,7 @@ for phase in $phases; do
             > "$OUT/tiny.log" 2>&1; r=$?; echo "tiny rc=$r"; [ $r -ne 0 ] && rc=$r
           grep -E "attempt|Error|error" "$OUT/tiny.log" | tail -30
           python3 -c "import json,sys; d=json.load(open('$OUT/vllm-e2e-h200.json')); print(json.dumps(d['summary'])); [print(k, json.dumps({x: v.get(x) for x in ('identical_outputs','accepted_per_position','mean_acceptance_length','server_ops_after_engine_start','killed_round','syncs_total','syncs_with_plugin_frames','plugin_sync_sites','memory_by_round','rounds_differing','error')})) for k, v in d['methods'].items()]" ;;
-    gputest) timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_oracle_engine.py tests/test_v2_gpu_fence.py tests/test_dflash_coalesce.py tests/test_v2_launch_scatter.py tests/test_device_plane_gpu.py tests/test_device_plane_streams_gpu.py \
+    gputest) timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_oracle_engine.py tests/test_v2_gpu_fence.py tests/test_dflash_coalesce.py tests/test_v2_launch_scatter.py tests/test_v2_held_rows.py tests/test_device_plane_gpu.py tests/test_device_plane_streams_gpu.py \
             > "$OUT/gputest.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gputest.log" ;;
     coalesce) timeout 300 python3 benchmarks/coalesce.py --out "$OUT/coalesce-h200.json" > "$OUT/coalesce.log" 2>&1
         r=$?; echo "coalesce rc=$r"; [ $r -ne 0 ] && rc=$r
