@@ -55,14 +55,18 @@ def decode_batch(device: torch.device, b: int, pos: int):
         num_draft_tokens=0)
 
 
+def decode_step(device: torch.device, b: int) -> tuple:
+    """Everything a decode step of ``b`` requests hands the launch: the batch, the aux rows,
+    num_sampled, num_rejected, the last sampled and next prefill tokens by slot, the kept indices."""
+    return (decode_batch(device, b, 600),
+            [torch.randn(b, HIDDEN, device=device).to(torch.bfloat16) for _ in range(AUX)],
+            torch.ones(b, dtype=torch.int32, device=device), torch.zeros(b, dtype=torch.int32, device=device),
+            torch.randint(0, 50000, (MAX_REQS,), dtype=torch.int64, device=device),
+            torch.zeros(MAX_REQS, dtype=torch.int32, device=device), np.arange(b))
+
+
 def time_launch(rows, slots, device, b: int, iters: int) -> float:
-    batch = decode_batch(device, b, 600)
-    aux = [torch.randn(b, HIDDEN, device=device).to(torch.bfloat16) for _ in range(AUX)]
-    ns = torch.ones(b, dtype=torch.int32, device=device)
-    nr = torch.zeros(b, dtype=torch.int32, device=device)
-    last = torch.randint(0, 50000, (MAX_REQS,), dtype=torch.int64, device=device)
-    nxt = torch.zeros(MAX_REQS, dtype=torch.int32, device=device)
-    keep = np.arange(b)
+    batch, aux, ns, nr, last, nxt, keep = decode_step(device, b)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -74,13 +78,7 @@ def time_launch(rows, slots, device, b: int, iters: int) -> float:
 
 
 def time_held(rows, device, b: int, iters: int) -> float:
-    batch = decode_batch(device, b, 600)
-    aux = [torch.randn(b, HIDDEN, device=device).to(torch.bfloat16) for _ in range(AUX)]
-    ns = torch.ones(b, dtype=torch.int32, device=device)
-    nr = torch.zeros(b, dtype=torch.int32, device=device)
-    last = torch.randint(0, 50000, (MAX_REQS,), dtype=torch.int64, device=device)
-    nxt = torch.zeros(MAX_REQS, dtype=torch.int32, device=device)
-    keep = np.arange(b)
+    batch, aux, ns, nr, last, nxt, keep = decode_step(device, b)
     hold = v2_held.HeldSteps.sized(CAPACITY, AUX * HIDDEN, torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
     times = []
     for _ in range(iters):
