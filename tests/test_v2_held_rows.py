@@ -3,8 +3,9 @@
 Random V2 steps (rejected rows, requests left out, prefill chunks, a device query layout trimmed
 below the host's, a block with no valid row) go both ways: launched (:func:`~.v2_launch.launch`,
 :meth:`~.v2_launch.Launch.step_input`) and held, several to a region (:meth:`~.v2_held.HeldSteps.add`,
-:meth:`~.v2_held.HeldLaunch.step_inputs`). Every field the server uses must be equal (integers and
-copied rows: exact). On the CPU the torch launch runs; on a GPU the Triton kernels and the copies
+:meth:`~.v2_held.HeldLaunch.step_inputs`), and the held region as one ingest
+(:meth:`~.v2_held.HeldLaunch.merged`) against what :class:`~.off_rows.OffRows` merges of the launched
+steps. Every field the server uses must be equal (integers and copied rows: exact). On the CPU the torch launch runs; on a GPU the Triton kernels and the copies
 into pinned memory on the side stream.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from launch_triton_check import MAX_REQS, random_step
 
+from k3_accel.vllm.spec_decode.off_rows import OffRows
 from k3_accel.vllm.spec_decode.v2_held import HOLD_STEPS, HeldSteps
 from k3_accel.vllm.spec_decode.v2_launch import DeviceRows, LaunchSlots, launch
 
@@ -28,7 +30,9 @@ def _batch(step: dict, rng: np.random.Generator, device: torch.device):
     host_ran = np.diff(step["qsl"].cpu().numpy())
     host_ran[-1] += n - int(step["qsl"][-1])            # the host's layout ends at n (an upper bound)
     qsl_np = np.concatenate([[0], np.cumsum(host_ran)]).astype(np.int32)
-    ids = [f"q{int(i)}" for i in rng.permutation(1000)[:r]]
+    # fresh requests mostly (a region merges into one ingest only where each request's rows continue)
+    ids = [f"q{int(i)}" for i in rng.permutation(10 ** 6)[:r]] if rng.random() < 0.85 else \
+        [f"q{int(i)}" for i in rng.permutation(r)]
     aux = [torch.randn(n, w).to(torch.bfloat16).to(device) for w in WIDTHS]
     batch = types.SimpleNamespace(
         req_ids=ids, num_reqs=r, idx_mapping=step["slot_idx"], idx_mapping_np=step["slot_idx"].cpu().numpy(),
@@ -50,14 +54,32 @@ def _launch(rows, slots, step, batch, aux, keep):
 
 
 def _read(out):
-    """The launched step's input, once its copy is done (ValueError: a block with no valid row)."""
+    """The launched step's input (its own copy), once its copy is done (ValueError: a block with no
+    valid row)."""
     out.wait_ready()
     try:
-        return _fields(out.step_input())
+        return OffRows.own(out.step_input())
     except ValueError:
         return ValueError
     finally:
         out.release()
+
+
+def _merged(launched: list) -> object:
+    """What :class:`OffRows` makes of the launched steps' inputs, taken in order: the region as one
+    ingest (None: a request's rows do not continue, or nothing is kept; ValueError: a block with no
+    valid row refuses the region)."""
+    if ValueError in launched:
+        return ValueError
+    off = OffRows(1 << 30, 1 << 40)
+    for inp in launched:
+        if not inp.req_ids:
+            continue
+        if not off.fits(inp):
+            return None
+        off.add(inp)
+    merged = off.take()
+    return None if merged is None else _fields(merged)
 
 
 def check(device: torch.device, steps: int, seed: int) -> int:
@@ -68,10 +90,10 @@ def check(device: torch.device, steps: int, seed: int) -> int:
     rows = DeviceRows(CAPACITY, sum(WIDTHS), torch.bfloat16, MAX_REQS, device)
     slots = LaunchSlots(2, CAPACITY, sum(WIDTHS), torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
     hold = HeldSteps(CAPACITY * 4, sum(WIDTHS), torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
-    compared = 0
+    compared = merges = 0
     while compared < steps:
         want, live = [], set()
-        for _ in range(int(rng.integers(1, HOLD_STEPS + 1))):
+        for _ in range(int(rng.integers(1, HOLD_STEPS + 1) if rng.random() < 0.5 else rng.integers(1, 5))):
             step = random_step(rng, device.type)
             batch, aux, keep = _batch(step, rng, device)
             if not hold.fits(step["n"]):
@@ -85,6 +107,11 @@ def check(device: torch.device, steps: int, seed: int) -> int:
         held.wait_ready()
         got = []
         try:
+            try:
+                merged = held.merged()
+                got_merged = None if merged is None else _fields(merged)
+            except ValueError:
+                got_merged = ValueError
             for inp in held.step_inputs():
                 got.append(_fields(inp))
         except ValueError:
@@ -93,9 +120,12 @@ def check(device: torch.device, steps: int, seed: int) -> int:
             held.release()
         # a step with no kept request ships nothing; a block with no valid row refuses the rest of the region
         bad = want.index(ValueError) if ValueError in want else len(want)
-        expect = [w for w in want[:bad] if w[0]] + [ValueError] * (bad < len(want))
+        expect = [_fields(w) for w in want[:bad] if w.req_ids] + [ValueError] * (bad < len(want))
         assert got == expect
+        assert got_merged == _merged(want)
+        merges += got_merged not in (None, ValueError)
         compared += len(want)
+    assert merges >= 3          # regions shipped as one ingest were compared, not only refusals
     return compared
 
 

@@ -188,6 +188,42 @@ def test_a_full_region_goes_to_the_server_by_itself_and_the_next_one_fills(specu
     assert stats["errors"] == {} and stats["ingested_rows"] == len(h)
 
 
+def test_held_rows_reach_the_server_before_a_probe_falls_due(speculator):
+    """A probe's drafts need every held row on the server first, and the GPU waits for them (at most
+    the deadline: past it the probe drafts nothing). Far from a probe nothing is shipped; as one nears,
+    what is held goes early, so the steps the probe waits for are few."""
+    from k3_accel.vllm.spec_decode.v2_held import HAND_OVER_AHEAD, HAND_OVER_MIN, HOLD_STEPS
+
+    spec, sim = speculator
+    ctl, pipeline = spec.core.session.pipeline.controller, spec.core.session.pipeline
+    h = [2, 7, 1, 8, 2, 8, 1, 8]
+    sim.add("a", h, max_tokens=200)
+    sim.propose(spec, [Sched("a", 0, h, sampled=4)], k=0)
+    h.append(4)
+    ctl._off, ctl._interval = 1, HAND_OVER_AHEAD + 6
+    budgets, waiting, shipped = [], [], []
+    while ctl.off_budget() > 0:                        # the gate is closed (K = 0) up to the probe
+        s = 20 + len(h) % 30
+        sim.propose(spec, [Sched("a", len(h) - 1, [h[-1]], sampled=s)], k=0)
+        h.append(s)
+        pipeline.call(lambda c: None)                 # the controller counted the step before the next
+        budgets.append(ctl.off_budget())
+        waiting.append(len(spec.hold))
+        shipped.append(_server_now(spec)["ingested_rows"])
+    # the step thread reads the budget before or after the draft thread counted the step it holds
+    far = [i for i, b in enumerate(budgets) if b >= HAND_OVER_AHEAD]
+    near = [i for i, b in enumerate(budgets) if b < HAND_OVER_AHEAD - 1]
+    assert far and near and len(budgets) < HOLD_STEPS    # one region would hold every step
+    assert all(shipped[i] == 0 for i in far)           # far from a probe: nothing shipped
+    assert max(waiting[i] for i in near) < HAND_OVER_MIN
+    assert shipped[-1] >= len(h) - 1 - HAND_OVER_MIN    # the rows the probe waits for: a few steps'
+    _on(spec)
+    d = sim.propose(spec, [Sched("a", len(h) - 1, [h[-1]], sampled=5)])
+    assert d.tolist() == [expected_v2(h, 5)]
+    assert server_stats(spec)["errors"] == {}
+    _no_failures(spec)
+
+
 def test_a_held_step_never_reads_device_data_on_the_host(vllm_config, tp_group, ngram_server, monkeypatch):
     sim = DeviceSim()
     spec = _speculator(vllm_config, sim, ngram_server.address, monkeypatch)

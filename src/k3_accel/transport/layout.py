@@ -71,7 +71,11 @@ def stage(slot, index: np.ndarray | None, total: int, token_ids: torch.Tensor,
     sources = {"token_ids": token_ids, "hidden": hidden} if hidden is not None else {"token_ids": token_ids}
     on_cpu = {name: src for name, src in sources.items() if src.device.type != "cuda"}
     for name, src in on_cpu.items():           # a plain memcpy on this thread
-        _copy_cpu(getattr(slot, name)[:total], src if index is None else src.index_select(0, torch.from_numpy(index)))
+        dst = getattr(slot, name)[:total]
+        if index is not None and src.dtype == dst.dtype:     # gathered straight into the slot
+            torch.index_select(src, 0, torch.from_numpy(index), out=dst)
+        else:
+            _copy_cpu(dst, src if index is None else src.index_select(0, torch.from_numpy(index)))
     on_gpu = {name: src for name, src in sources.items() if name not in on_cpu}
     if not on_gpu:
         return None

@@ -121,7 +121,9 @@ class DraftPipeline(StepWatch):
 
     def submit_held(self, launch: Any) -> None:
         """Queue a region of held steps (:class:`~.v2_held.HeldLaunch`): once its copies are done,
-        their rows join :attr:`off_rows` (merged, ahead of anything queued after them)."""
+        their rows go to the server as one ingest, after what :attr:`off_rows` holds (older) and
+        ahead of anything queued after them (step by step, through :attr:`off_rows`, where they
+        cannot merge: :meth:`~.v2_held.HeldLaunch.merged`)."""
         if self._closed or not self._thread.is_alive():
             launch.release()
             raise PipelineClosed("the draft thread is closed")
@@ -129,6 +131,11 @@ class DraftPipeline(StepWatch):
         def held(client):
             try:
                 launch.wait_ready()
+                merged = launch.merged()
+                if merged is not None:
+                    self.ship_held()
+                    client.step(merged)
+                    return
                 for inp in launch.step_inputs():
                     if not self.off_rows.fits(inp):
                         self.ship_held()

@@ -300,6 +300,8 @@ class RemoteSpeculatorMixin:
             self.core.counters["held_at_launch"] += 1
         except Exception:  # noqa: BLE001 - fail closed
             self.core.failures.record("step_input", "holding an off step's rows")
+        if HeldSteps.early(pipeline.controller.off_budget(), len(self.hold)):
+            self._hand_over_held()            # a probe nears: its drafts wait for these rows
         return True
 
     def _hand_over_held(self) -> None:

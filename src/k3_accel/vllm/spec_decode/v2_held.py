@@ -49,6 +49,8 @@ from k3_accel.vllm.spec_decode.off_rows import MAX_BYTES
 from k3_accel.vllm.spec_decode.v2_launch import META_ROWS, DeviceRows, copy_out, step_rows
 
 HOLD_STEPS = 32          # steps one region holds (a decode step of B requests is B rows)
+HAND_OVER_AHEAD = 16     # a probe due within this many steps: what is held goes early ...
+HAND_OVER_MIN = 4        # ... once a region holds this many steps
 
 
 @dataclass
@@ -84,7 +86,8 @@ class HeldSteps:
     """Two pinned regions of ``capacity`` raw rows and :data:`HOLD_STEPS` steps (module docstring)."""
 
     def __init__(self, capacity: int, width: int, dtype: torch.dtype, max_reqs: int, pin: bool):
-        self.capacity = capacity
+        self.capacity, self._width, self._dtype = capacity, width, dtype
+        self._scratch: torch.Tensor | None = None      # a region's rows gathered request by request
 
         def region() -> _Region:
             return _Region(torch.empty(capacity, dtype=torch.int64, pin_memory=pin),
@@ -109,6 +112,21 @@ class HeldSteps:
     def eligible(input_batch: Any, prompts: dict) -> bool:
         """Whether the host knows the step's rows exactly (module docstring)."""
         return getattr(input_batch, "num_draft_tokens", None) == 0 and not prompts
+
+    @staticmethod
+    def early(off_budget: int, held: int) -> bool:
+        """Whether ``held`` steps go to the draft thread now, with a probe due in ``off_budget`` steps:
+        the probe's drafts wait for every held row to reach the server, and the GPU waits for them
+        (P6 on an H200 at B = 32: a region of 32 steps handed over at the probe missed the 100 ms
+        deadline). Far from a probe nothing goes; near one, a region goes once it holds a few steps."""
+        return off_budget < HAND_OVER_AHEAD and held >= HAND_OVER_MIN
+
+    def scratch(self, rows: int) -> torch.Tensor:
+        """Host rows a region is gathered into for its one ingest (draft thread; reused: the client
+        copies them into its staging slot before the step returns)."""
+        if self._scratch is None:
+            self._scratch = torch.empty((self.capacity, self._width), dtype=self._dtype)
+        return self._scratch[:rows]
 
     def fits(self, rows: int) -> bool:
         reg = self._regions[self._cur]
@@ -174,9 +192,10 @@ class HeldLaunch:
     def release(self) -> None:
         self.owner.release(self.region)
 
-    def step_inputs(self) -> Iterator[StepInput]:
-        """Each held step's ingest (call after :meth:`wait_ready`): the valid rows of its kept live
-        requests, compacted request after request, copied out of the region."""
+    def _rows(self) -> Iterator[tuple[_Step, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per held step with a kept live request: ``(step, keep, meta, valid, positions, rows)``: the
+        valid rows of its kept live requests, request after request (their positions and region rows).
+        ValueError: a kept request without a valid row (the host cannot place its rows)."""
         reg = self.region
         for j, s in enumerate(reg.steps):
             meta = reg.meta[j].numpy()[:, : len(s.req_ids)]
@@ -189,17 +208,60 @@ class HeldLaunch:
                 raise ValueError(f"request {bad!r}: no valid context row in a held step")
             if keep.size == 0:
                 continue
-            total = int(valid.sum())
-            base = np.repeat(np.cumsum(valid) - valid, valid)
-            within = np.arange(total, dtype=np.int64) - base
-            index = torch.from_numpy(s.offset + np.repeat(starts[keep], valid) + within)
+            within = np.arange(int(valid.sum()), dtype=np.int64) - np.repeat(np.cumsum(valid) - valid, valid)
+            yield s, keep, meta, valid, np.repeat(first, valid) + within, s.offset + np.repeat(starts[keep], valid) + within
+
+    def step_inputs(self) -> Iterator[StepInput]:
+        """Each held step's ingest (call after :meth:`wait_ready`): the valid rows of its kept live
+        requests, compacted request after request, copied out of the region."""
+        reg = self.region
+        for s, keep, meta, valid, positions, rows in self._rows():
+            index = torch.from_numpy(rows)
             yield StepInput(
                 req_ids=[s.req_ids[i] for i in keep.tolist()], counts=valid.tolist(),
-                positions=torch.from_numpy(np.repeat(first, valid) + within),
-                token_ids=reg.token_ids.index_select(0, index), sampled=(meta[1, keep] > 0).tolist(),
-                anchor_tokens=meta[2, keep].copy(), anchor_positions=first + valid, k=0,
+                positions=torch.from_numpy(positions), token_ids=reg.token_ids.index_select(0, index),
+                sampled=(meta[1, keep] > 0).tolist(), anchor_tokens=meta[2, keep].copy(),
+                anchor_positions=positions[np.cumsum(valid) - 1] + 1, k=0,
                 hidden=reg.hidden.index_select(0, index) if s.hidden else None,
                 num_verified=[0] * int(keep.size))
 
+    def merged(self) -> StepInput | None:
+        """The region as one ingest (call after :meth:`wait_ready`): what :class:`~.off_rows.OffRows`
+        merges of its steps' inputs (each request's rows step after step, requests in order of first
+        appearance, each one's last anchor), gathered straight out of the region, once, into
+        :meth:`HeldSteps.scratch`. A region of 32 steps at B = 32 is 42 MB of rows at Qwen3-8B's
+        width: the per-step copies, their merge and its reorder (three fresh 42 MB tensors) cost the
+        draft thread more than a probe's deadline. None: nothing is kept, some request's rows do not
+        continue from one step to the next, or steps differ in carrying aux rows (:meth:`step_inputs`
+        then ships step by step). ValueError: as :meth:`step_inputs`."""
+        reg, code_of = self.region, {}
+        codes, positions, rows, anchors, hidden = [], [], [], [], set()
+        for s, keep, meta, valid, pos, src in self._rows():
+            code = np.fromiter((code_of.setdefault(s.req_ids[i], len(code_of)) for i in keep.tolist()),
+                               dtype=np.int64, count=keep.size)
+            codes.append(np.repeat(code, valid))
+            positions.append(pos)
+            rows.append(src)
+            anchors.append((code, meta[2, keep], pos[np.cumsum(valid) - 1] + 1))
+            hidden.add(s.hidden)
+        if not codes or len(hidden) > 1:
+            return None
+        code = np.concatenate(codes)
+        order = np.argsort(code, kind="stable")
+        code, position, index = code[order], np.concatenate(positions)[order], torch.from_numpy(np.concatenate(rows)[order])
+        same = code[1:] == code[:-1]
+        if (position[1:][same] != position[:-1][same] + 1).any():
+            return None
+        tokens, ends = np.empty(len(code_of), dtype=np.int64), np.empty(len(code_of), dtype=np.int64)
+        for c, tok, end in anchors:                     # later steps overwrite: each request's last
+            tokens[c], ends[c] = tok, end
+        out = None
+        if hidden.pop():
+            out = torch.index_select(reg.hidden, 0, index, out=self.owner.scratch(int(index.numel())))
+        return StepInput(req_ids=list(code_of), counts=np.bincount(code, minlength=len(code_of)).tolist(),
+                         positions=torch.from_numpy(position), token_ids=reg.token_ids.index_select(0, index),
+                         sampled=[False] * len(code_of), anchor_tokens=tokens, anchor_positions=ends, k=0,
+                         hidden=out)
 
-__all__ = ["HOLD_STEPS", "HeldFacts", "HeldLaunch", "HeldSteps"]
+
+__all__ = ["HAND_OVER_AHEAD", "HAND_OVER_MIN", "HOLD_STEPS", "HeldFacts", "HeldLaunch", "HeldSteps"]
