@@ -107,6 +107,28 @@ def test_fewer_drafts_than_configured(speculator, sim):
     assert rows(d) == [expected_v2(q, 2, k=2) + [-1] * (K - 2)]
 
 
+def test_a_step_scheduled_fewer_drafts_asks_the_server_for_the_whole_block(speculator, sim, monkeypatch):
+    """vLLM's scheduler may schedule fewer drafts than K for a step (a K per batch size). In-tree
+    DFlash still drafts its whole block (its drafts depend on the block) and the runner blanks the
+    columns past the step's K; asked for the smaller K, the server drafted another block, and captured
+    CUDA graphs for that K on first use, mid-run. The server is asked for K; vLLM gets the first
+    drafts, the rest -1."""
+    from k3_accel.transport.client import DraftClient
+
+    asked = []
+    step = DraftClient.step
+
+    def spy(self, inp):
+        asked.append(inp.k)
+        return step(self, inp)
+    monkeypatch.setattr(DraftClient, "step", spy)
+    q = [5, 6, 7, 8, 5, 6, 7, 8, 5]
+    sim.add("q", q)
+    d = sim.propose(speculator, [Sched("q", 0, q, sampled=6)], k=2)
+    assert asked == [K]
+    assert rows(d) == [expected_v2(q, 6, k=K)[:2] + [-1] * (K - 2)]
+
+
 def test_dummy_and_profile_runs_send_nothing(speculator, sim):
     before = {k: v for k, v in server_stats(speculator)["ops"].items() if k != "stats"}
     msgs = counters(speculator)

@@ -325,8 +325,10 @@ class RemoteSpeculatorMixin:
             self.core.counters["behind_steps"] += 1     # ship the rows (every rank broadcasts)
         elif session.is_driver and session.pipeline.controller is not None and session.pipeline.controller.stays_off():
             k, held = 0, True   # speculation off, no probe due: an ingest, nothing on the GPU waits for the thread
-        seq = self._ship(plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens, k,
-                         held)
+        # the server drafts the whole block whatever this step's K, as in-tree DFlash does (the runner
+        # blanks the columns past it): a K of its own is another block, and new CUDA graphs mid-run
+        seq = self._ship(plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
+                         self.num_speculative_steps if k > 0 else 0, held)
         conf = None if self._server_confidence is None else self._server_confidence[:cols.shape[0], :cols.shape[1]]
         if seq is not None:
             fence, reply = session.pipeline.fence, session.pipeline.reply_rows(seq, cols.shape[0], k)
