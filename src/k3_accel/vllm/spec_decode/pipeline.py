@@ -121,9 +121,8 @@ class DraftPipeline(StepWatch):
 
     def submit_held(self, launch: Any) -> None:
         """Queue a region of held steps (:class:`~.v2_held.HeldLaunch`): once its copies are done,
-        their rows go to the server as one ingest, after what :attr:`off_rows` holds (older) and
-        ahead of anything queued after them (step by step, through :attr:`off_rows`, where they
-        cannot merge: :meth:`~.v2_held.HeldLaunch.merged`)."""
+        their rows go to the server as one ingest, ahead of anything queued after them (step by step
+        where they cannot merge: :meth:`~.v2_held.HeldLaunch.merged`)."""
         if self._closed or not self._thread.is_alive():
             launch.release()
             raise PipelineClosed("the draft thread is closed")
@@ -132,17 +131,8 @@ class DraftPipeline(StepWatch):
             try:
                 launch.wait_ready()
                 merged = launch.merged()
-                if merged is not None:
-                    self.ship_held()
-                    client.step(merged)
-                    return
-                for inp in launch.step_inputs():
-                    if not self.off_rows.fits(inp):
-                        self.ship_held()
-                    if self.off_rows.fits(inp):
-                        self.off_rows.add(inp, owned=True)
-                    else:
-                        client.step(inp)
+                for inp in launch.step_inputs() if merged is None else (merged,):
+                    self._ship(inp)
             except Exception:  # noqa: BLE001 - fail closed: the requests see a gap and stop drafting
                 self.on_failure("step_input", "shipping the held steps' rows")
             finally:

@@ -18,16 +18,15 @@ hooks. ``propose(...)`` translates the runner's arguments for the
 * The skip rule reads ``max_tokens`` from ``RequestState`` (``max_seq_len -
   prompt_len``); vLLM dropping a request from ``req_id_to_index`` frees it.
 
-``num_speculative_tokens=0`` (the scheduler's ``skip_drafts``, or the
-adaptive controller's scheduler gate, :mod:`.gate`) still ships context. Dummy and profile runs, and the steps of vLLM's kernel warm-up
-(request ids ``_warmup_*`` / ``_v2_mixed_warmup_*``), return without touching
-the network or the TP group. "No draft" leaves this module as the request's
-last sampled token, not -1: the V2 runner feeds drafts to the target's
-embedding unchecked, and -1 there is a CUDA index assert.
-
-Importing this module is cheap: vLLM's ``BaseSpeculator`` module (which pulls
-in attention and model-loader code) is imported when the first remote
-speculator is built.
+``num_speculative_tokens=0`` (the scheduler's ``skip_drafts``, or the adaptive controller's
+scheduler gate, :mod:`.gate`) still ships context; fewer than K: the server still drafts the
+whole block, as in-tree DFlash does (a K of its own is another block, and new CUDA graphs on
+the server mid-run). Dummy and profile runs, and the steps of vLLM's kernel warm-up (request
+ids ``_warmup_*`` / ``_v2_mixed_warmup_*``), return without touching the network or the TP
+group. "No draft" leaves this module as the request's last sampled token, not -1: the V2
+runner feeds drafts to the target's embedding unchecked, and -1 there is a CUDA index assert.
+Importing this module is cheap: vLLM's ``BaseSpeculator`` module is imported when the first
+remote speculator is built.
 """
 from __future__ import annotations
 
@@ -325,8 +324,7 @@ class RemoteSpeculatorMixin:
             self.core.counters["behind_steps"] += 1     # ship the rows (every rank broadcasts)
         elif session.is_driver and session.pipeline.controller is not None and session.pipeline.controller.stays_off():
             k, held = 0, True   # speculation off, no probe due: an ingest, nothing on the GPU waits for the thread
-        # the server drafts the whole block whatever this step's K, as in-tree DFlash does (the runner
-        # blanks the columns past it): a K of its own is another block, and new CUDA graphs mid-run
+        # the whole block whatever this step's K, as in-tree (the runner blanks the columns past it)
         seq = self._ship(plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
                          self.num_speculative_steps if k > 0 else 0, held)
         conf = None if self._server_confidence is None else self._server_confidence[:cols.shape[0], :cols.shape[1]]
@@ -351,13 +349,11 @@ class RemoteSpeculatorMixin:
 
     @staticmethod
     def _slot_wait_s(session) -> float:
-        """How long, once the GPU reached the step holding it, the step thread may wait for a launch
-        slot (the draft thread is that many steps behind): the GPU deadline (plus the time to move
-        that step's rows, see :class:`~.v2_launch.LaunchSlots`), never the transport's timeout. Past
-        it the step's rows are not shipped and their requests fail closed, rather than the engine
-        waiting for a server that paused."""
-        pipeline = session.pipeline
-        return session.settings.timeout_s if pipeline.deadline_s is None else pipeline.deadline_s
+        """How long the step thread may wait for a launch slot once the GPU reached the step holding
+        it: the GPU deadline (:class:`~.v2_launch.LaunchSlots`), never the transport's timeout; past
+        it the step's requests fail closed rather than the engine waiting for a server that paused."""
+        deadline = session.pipeline.deadline_s
+        return session.settings.timeout_s if deadline is None else deadline
 
     def _token_rows(self) -> torch.Tensor | None:
         """vLLM's ``all_token_ids`` by slot (UVA or device): the history of requests to attach."""

@@ -20,13 +20,16 @@ For a held step the step thread only
    the end of the current *region*;
 
 and the draft thread only counts the step for the controller (:meth:`~.pipeline.
-DraftPipeline.count_held`). Nothing is compacted, shipped or ingested. The next step
-that is not held (a probe, speculation back on, a flush, the link going down), or a
-step that no longer fits, first hands the region over (:meth:`HeldSteps.take`): the
-draft thread compacts each held step's valid rows of its kept, still live requests on
-the host (:meth:`HeldLaunch.step_inputs`) and merges them through :class:`~.off_rows.
-OffRows`, ahead of anything else it ships. Two regions: one fills while the draft
-thread reads the other; with both busy, the step launches as before.
+DraftPipeline.count_held`). Nothing is compacted, shipped or ingested. A probe's drafts
+need every held row on the server first, and the GPU waits for them, so a region goes
+early once a probe is due within :data:`HAND_OVER_AHEAD` steps (:meth:`HeldSteps.early`);
+the next step that is not held (a probe, speculation back on, a flush, the link going
+down), or a step that no longer fits, also hands it over (:meth:`HeldSteps.take`). The
+draft thread gathers the valid rows of each held step's kept, still live requests on the
+host, once, into one ingest (:meth:`HeldLaunch.merged`; step by step where a request's rows
+would not continue: :meth:`HeldLaunch.step_inputs`), ahead of anything else it ships. Two
+regions: one fills while the draft thread reads the other; with both busy, the step
+launches as before.
 
 A step is held only when the host knows its rows exactly: no drafts were verified in
 it (``num_draft_tokens == 0``, so every row of a kept request is valid: with the
@@ -227,7 +230,7 @@ class HeldLaunch:
 
     def merged(self) -> StepInput | None:
         """The region as one ingest (call after :meth:`wait_ready`): what :class:`~.off_rows.OffRows`
-        merges of its steps' inputs (each request's rows step after step, requests in order of first
+        would merge of its steps' inputs (each request's rows step after step, requests in order of first
         appearance, each one's last anchor), gathered straight out of the region, once, into
         :meth:`HeldSteps.scratch`. A region of 32 steps at B = 32 is 42 MB of rows at Qwen3-8B's
         width: the per-step copies, their merge and its reorder (three fresh 42 MB tensors) cost the
