@@ -25,7 +25,7 @@ from k3_accel.vllm.spec_decode.v2_launch import DeviceRows, LaunchSlots, launch
 CAPACITY, WIDTHS = 512, (8, 4)
 
 
-def _batch(step: dict, rng: np.random.Generator, device: torch.device):
+def _batch(step: dict, rng: np.random.Generator, device: torch.device, widths: tuple[int, ...]):
     r, n = step["r"], step["n"]
     host_ran = np.diff(step["qsl"].cpu().numpy())
     host_ran[-1] += n - int(step["qsl"][-1])            # the host's layout ends at n (an upper bound)
@@ -33,7 +33,7 @@ def _batch(step: dict, rng: np.random.Generator, device: torch.device):
     # fresh requests mostly (a region merges into one ingest only where each request's rows continue)
     ids = [f"q{int(i)}" for i in rng.permutation(10 ** 6)[:r]] if rng.random() < 0.85 else \
         [f"q{int(i)}" for i in rng.permutation(r)]
-    aux = [torch.randn(n, w).to(torch.bfloat16).to(device) for w in WIDTHS]
+    aux = [torch.randn(n, w).to(torch.bfloat16).to(device) for w in widths]
     batch = types.SimpleNamespace(
         req_ids=ids, num_reqs=r, idx_mapping=step["slot_idx"], idx_mapping_np=step["slot_idx"].cpu().numpy(),
         query_start_loc=step["qsl"], query_start_loc_np=qsl_np, input_ids=step["input_ids"],
@@ -82,27 +82,36 @@ def _merged(launched: list) -> object:
     return None if merged is None else _fields(merged)
 
 
-def check(device: torch.device, steps: int, seed: int) -> int:
+def check(device: torch.device, steps: int, seed: int, widths: tuple[int, ...] = WIDTHS) -> int:
     rng = np.random.default_rng(seed)
-    # one set of device buffers for both, each step launched then held at once: on a GPU the held
-    # step's writes must wait for the launch's copy out of the buffers, and the next launch's for the
-    # held step's
-    rows = DeviceRows(CAPACITY, sum(WIDTHS), torch.bfloat16, MAX_REQS, device)
-    slots = LaunchSlots(2, CAPACITY, sum(WIDTHS), torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
-    hold = HeldSteps(CAPACITY * 4, sum(WIDTHS), torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
+    # one set of device buffers for both: each step is launched, then the step before it is held
+    # into the same buffers, other rows, before the launch's copy out of them is waited for (on a
+    # GPU the held step's writes must wait for that copy, and the next launch's for the held step's)
+    width = sum(widths)
+    rows = DeviceRows(CAPACITY, width, torch.bfloat16, MAX_REQS, device)
+    slots = LaunchSlots(2, CAPACITY, width, torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
+    hold = HeldSteps(CAPACITY * 4, width, torch.bfloat16, MAX_REQS, pin=device.type == "cuda")
+
+    def held_add(step, batch, aux, keep):
+        hold.add(rows, batch, aux, step["num_sampled"], step["num_rejected"], step["last"], step["nxt"], keep)
+
     compared = merges = 0
     while compared < steps:
-        want, live = [], set()
+        want, live, before = [], set(), None
         for _ in range(int(rng.integers(1, HOLD_STEPS + 1) if rng.random() < 0.5 else rng.integers(1, 5))):
             step = random_step(rng, device.type)
-            batch, aux, keep = _batch(step, rng, device)
-            if not hold.fits(step["n"]):
+            batch, aux, keep = _batch(step, rng, device, widths)
+            if len(want) + 1 >= HOLD_STEPS or not hold.fits(step["n"] + (before[0]["n"] if before else 0)):
                 break
             out = _launch(rows, slots, step, batch, aux, keep)
-            # held into the same device buffers before the launch's copy out of them is waited for
-            hold.add(rows, batch, aux, step["num_sampled"], step["num_rejected"], step["last"], step["nxt"], keep)
+            if before is not None:
+                held_add(*before)
             want.append(_read(out))
             live.update(batch.req_ids)
+            before = (step, batch, aux, keep)
+        if before is None:
+            continue
+        held_add(*before)
         held = hold.take(live)
         held.wait_ready()
         got = []
@@ -136,4 +145,6 @@ def test_held_steps_ship_the_rows_a_launch_would(seed):
 
 @pytest.mark.gpu
 def test_held_steps_ship_the_rows_a_launch_would_on_the_gpu():
-    assert check(torch.device("cuda"), 300, 1) >= 300
+    # wide rows: the launch's copy out of the device buffers lasts long enough to race with the held
+    # step's writes, were they not ordered after it
+    assert check(torch.device("cuda"), 300, 1, (1024, 512)) >= 300
