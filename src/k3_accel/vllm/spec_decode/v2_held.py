@@ -212,7 +212,8 @@ class HeldLaunch:
             if keep.size == 0:
                 continue
             within = np.arange(int(valid.sum()), dtype=np.int64) - np.repeat(np.cumsum(valid) - valid, valid)
-            yield s, keep, meta, valid, np.repeat(first, valid) + within, s.offset + np.repeat(starts[keep], valid) + within
+            yield s, keep, meta, valid, np.repeat(first, valid) + within, \
+                s.offset + np.repeat(starts[keep], valid) + within
 
     def step_inputs(self) -> Iterator[StepInput]:
         """Each held step's ingest (call after :meth:`wait_ready`): the valid rows of its kept live
@@ -234,9 +235,10 @@ class HeldLaunch:
         appearance, each one's last anchor), gathered straight out of the region, once, into
         :meth:`HeldSteps.scratch`. A region of 32 steps at B = 32 is 42 MB of rows at Qwen3-8B's
         width: the per-step copies, their merge and its reorder (three fresh 42 MB tensors) took the
-        draft thread 9.8 ms on the H200's host, this 1.5 ms (``held_hand_over.py``). None: nothing is kept, some request's rows do not
-        continue from one step to the next, or steps differ in carrying aux rows (:meth:`step_inputs`
-        then ships step by step). ValueError: as :meth:`step_inputs`."""
+        draft thread 9.8 ms on the H200's host, this 1.5 ms (``held_hand_over.py``). None: nothing is
+        kept, some request's rows do not continue from one step to the next, or steps differ in
+        carrying aux rows (:meth:`step_inputs` then ships step by step). ValueError: as
+        :meth:`step_inputs`."""
         reg, code_of = self.region, {}
         codes, positions, rows, anchors, hidden = [], [], [], [], set()
         for s, keep, meta, valid, pos, src in self._rows():
@@ -251,7 +253,8 @@ class HeldLaunch:
             return None
         code = np.concatenate(codes)
         order = np.argsort(code, kind="stable")
-        code, position, index = code[order], np.concatenate(positions)[order], torch.from_numpy(np.concatenate(rows)[order])
+        code, position = code[order], np.concatenate(positions)[order]
+        index = torch.from_numpy(np.concatenate(rows)[order])
         same = code[1:] == code[:-1]
         if (position[1:][same] != position[:-1][same] + 1).any():
             return None
