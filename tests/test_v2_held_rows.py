@@ -101,7 +101,7 @@ def check(device: torch.device, steps: int, seed: int, widths: tuple[int, ...] =
         for _ in range(int(rng.integers(1, HOLD_STEPS + 1) if rng.random() < 0.5 else rng.integers(1, 5))):
             step = random_step(rng, device.type)
             batch, aux, keep = _batch(step, rng, device, widths)
-            if len(want) + 1 >= HOLD_STEPS or not hold.fits(step["n"] + (before[0]["n"] if before else 0)):
+            if len(want) >= HOLD_STEPS or not hold.fits(step["n"] + (before[0]["n"] if before else 0)):
                 break
             out = _launch(rows, slots, step, batch, aux, keep)
             if before is not None:
