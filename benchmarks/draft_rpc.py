@@ -40,11 +40,13 @@ from rpc import env, free_port, ping_pong  # noqa: E402  (benchmarks/rpc.py)
 import draft_step  # noqa: E402  (benchmarks/draft_step.py)
 
 
-def serve(port: int, quick: bool, profile: str | None = None, trace: str | None = None) -> None:
+def serve(port: int, quick: bool, profile: str | None = None, trace: str | None = None,
+          batch_wait_ms: float | None = None) -> None:
     import signal
     import zmq
     from k3_accel.server.engines.dflash import DFlashEngine
-    from k3_accel.server.loop import ServerLoop
+    from k3_accel.server.gather import Gather
+    from k3_accel.server.loop import BATCH_WAIT_S, ServerLoop
     from k3_accel.server.metrics import ServerMetrics
     from k3_accel.server.service import DraftService
     from k3_accel.server.state import RequestStore
@@ -58,7 +60,8 @@ def serve(port: int, quick: bool, profile: str | None = None, trace: str | None 
                                        graph_k=(7,), **({"budget_bytes": 8 << 30} if device == "cuda" else {}))
     store = RequestStore(engine, max_requests=1024, max_requests_total=1024, max_retained=0)
     service = DraftService(engine, store, ServerMetrics())
-    loop = ServerLoop(service, [f"tcp://127.0.0.1:{port}"], 1 << 31, ctx=zmq.Context())
+    wait_s = BATCH_WAIT_S if batch_wait_ms is None else batch_wait_ms / 1000   # as k3-draft-server's flag
+    loop = ServerLoop(service, [f"tcp://127.0.0.1:{port}"], 1 << 31, ctx=zmq.Context(), gather=Gather(wait_s))
     print("ready", cfg.context_width, flush=True)
     import gc
     gc.collect()
@@ -186,6 +189,7 @@ def summary(results: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--batch-wait-ms", type=float, default=None, help=argparse.SUPPRESS)   # --serve: the server's
     ap.add_argument("--quick", action="store_true", help="tiny shapes (any machine)")
     ap.add_argument("--batch", type=int, default=None, help="one batch size (default: --batches)")
     ap.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
@@ -201,7 +205,7 @@ def main() -> None:
     ap.add_argument("--out", help="write the JSON document (summary + results) here, e.g. draft-rpc-h200.json")
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.quick, args.profile_server, args.trace_server)
+        serve(args.serve, args.quick, args.profile_server, args.trace_server, args.batch_wait_ms)
         return
     batches = [args.batch] if args.batch else [int(x) for x in args.batches.split(",")]
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]

@@ -15,6 +15,7 @@ import zmq
 
 from k3_accel.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from k3_accel.server.device_plane import ServerDevicePlane
+from k3_accel.server.gather import Gather
 from k3_accel.server.engines.base import DraftEngine
 from k3_accel.server.http import HealthServer
 from k3_accel.server.loop import ServerLoop
@@ -142,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ingest-coalesce-rows", type=_int_in(0), default=1024, metavar="ROWS",
                     help="dflash/dspark: small ingests of host rows (steps that draft nothing) wait for one "
                          "projection at the next propose, up to ROWS rows (0: every ingest projects at once)")
+    ap.add_argument("--batch-wait-ms", type=_float_min(0.0), default=1.0,
+                    help="hold a round's proposes up to this long (and at most half an engine call) for "
+                         "targets expected back within it, so several targets stepping in a loop share one "
+                         "engine call instead of taking turns (0: never hold)")
     ap.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO",
                     help="log verbosity (stderr)")
     return ap
@@ -225,7 +230,7 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> None:
             endpoints.append(f"ipc://{args.ipc_path}")
         try:
             loop = ServerLoop(service, endpoints, args.max_message_mb * MIB, ctx=ctx, curve=curve,
-                              lease_s=args.lease_s)
+                              lease_s=args.lease_s, gather=Gather(args.batch_wait_ms / 1000))
         except zmq.ZMQError as exc:
             raise StartupError(f"cannot bind {' and '.join(endpoints)}: {exc}") from None
         gc.collect()

@@ -7,7 +7,8 @@ Each connection (ROUTER identity) has a FIFO of decoded messages; a
 connection's messages are handled strictly in arrival order and its replies
 leave in that order. Each round takes the head message of every connection:
 the proposes among them run as **one engine batch** (several clients'
-proposes that wait at the same time), the rest one by one. While the
+proposes that wait at the same time), the rest one by one; a round's proposes
+may be held a little while for targets expected back (:mod:`.gather`). While the
 device computes a batch's drafts, the loop keeps receiving and decoding
 (it never blocks on the GPU); between rounds everything that arrived is
 read first, so a burst from several targets is batched.
@@ -31,6 +32,7 @@ import zmq
 
 from k3_accel import protocol as p
 from k3_accel.protocol import ErrorCode, ProtocolError, Reply
+from k3_accel.server.gather import Gather
 from k3_accel.server.security import CurveGuard
 from k3_accel.server.service import DraftService
 from k3_accel.server.state import Session
@@ -43,6 +45,7 @@ SPIN_S = 0.002 if (os.cpu_count() or 1) >= 4 else 0.0
 HOUSEKEEPING_S = 0.5
 DRAIN_QUIET_MS = 300      # shutdown: answer what arrives until the socket is quiet this long ...
 DRAIN_MAX_S = 3.0         # ... but no longer than this
+BATCH_WAIT_S = 0.001      # the longest a round's proposes are held for targets expected back (--batch-wait-ms)
 
 
 @dataclass(eq=False)
@@ -55,8 +58,10 @@ class _Conn:
 
 class ServerLoop:
     def __init__(self, service: DraftService, endpoints: Sequence[str], max_message_bytes: int,
-                 ctx: zmq.Context | None = None, curve: CurveGuard | None = None, lease_s: float = 0.0):
+                 ctx: zmq.Context | None = None, curve: CurveGuard | None = None, lease_s: float = 0.0,
+                 gather: Gather | None = None):
         self.service = service
+        self.gather = gather if gather is not None else Gather(BATCH_WAIT_S)
         self.max_message_bytes = max_message_bytes
         self.lease_s = lease_s
         self.ctx = ctx or zmq.Context.instance()
@@ -129,7 +134,10 @@ class ServerLoop:
         elif conn.session is not None:
             conn.session.last_seen = time.monotonic()     # the lease counts arrivals, not handling
         try:
-            conn.queue.append(p.decode_request(frames[1:], self.max_message_bytes))
+            req = p.decode_request(frames[1:], self.max_message_bytes)
+            conn.queue.append(req)
+            if conn.session is not None and isinstance(req.msg, p.Propose):
+                self.gather.arrived(conn.session.key)
         except ProtocolError as exc:
             legacy = p.legacy_error(frames[1:], self.service.server_id)
             if legacy is not None:            # a version-1 client: answer in its framing
@@ -146,9 +154,11 @@ class ServerLoop:
         """Handle the head message of every connection; proposes as one batch. False when
         nothing could be handled (every head waits for its device rows)."""
         heads = [c for c in self._conns.values() if c.queue]
-        proposes, handled = [], 0
+        proposes, pending, handled = [], [], 0
         for conn in heads:
             if not self._head_fetched(conn):
+                if isinstance(conn.queue[0].msg, p.Propose):
+                    pending.append(conn.session.key)
                 continue                      # its rows are still on their way from the target's GPU
             item = conn.queue[0]
             handled += 1
@@ -160,27 +170,43 @@ class ServerLoop:
                 self._send(conn, self.service.attach(conn.session, conn.ident, item))
             elif isinstance(item.msg, p.Propose):
                 proposes.append(conn)
+                handled -= 1
                 continue
             else:
                 self.service.metrics.session_message(conn.session.name)
                 self._send(conn, self.service.handle(conn.session, item))
             conn.queue.popleft()
         if proposes:
-            for conn in proposes:
-                self.service.metrics.session_message(conn.session.name)
-            batch = self.service.start_batch([(c.session, c.queue[0]) for c in proposes])
-            while not batch.done():          # the device works: read and decode what arrives, and
-                if self.sock.poll(0, zmq.POLLIN):  # start its device rows' reads (the next round batches it)
-                    self._receive_all()
-                    for conn in self._conns.values():
-                        if conn.queue and conn not in proposes:
-                            self._head_fetched(conn)
-                else:
-                    time.sleep(0)
-            for conn, reply in zip(proposes, batch.finish()):
-                conn.queue.popleft()
-                self._send(conn, reply)
+            hold = self.gather.wait_s([c.session.key for c in proposes], pending)
+            if hold > 0:                      # targets expected back within the wait: hold the round
+                self._spin_until = max(self._spin_until, time.monotonic() + hold)
+                return handled > 0
+            if self.gather.held_s is not None:
+                self.service.metrics.batch_held(self.gather.held_s)
+            self._run_proposes(proposes)
+            handled += len(proposes)
         return handled > 0
+
+    def _run_proposes(self, proposes: list[_Conn]) -> None:
+        """The proposes of one round as one engine batch; receive what arrives meanwhile."""
+        for conn in proposes:
+            self.service.metrics.session_message(conn.session.name)
+        started = time.perf_counter()
+        batch = self.service.start_batch([(c.session, c.queue[0]) for c in proposes])
+        while not batch.done():          # the device works: read and decode what arrives, and
+            if self.sock.poll(0, zmq.POLLIN):  # start its device rows' reads (the next round batches it)
+                self._receive_all()
+                for conn in self._conns.values():
+                    if conn.queue and conn not in proposes:
+                        self._head_fetched(conn)
+            else:
+                time.sleep(0)
+        replies = batch.finish()
+        self.gather.engine(time.perf_counter() - started)
+        for conn, reply in zip(proposes, replies):
+            conn.queue.popleft()
+            self._send(conn, reply)
+            self.gather.answered(conn.session.key)
 
     def _head_fetched(self, conn: _Conn) -> bool:
         """Whether the head message's device-plane rows are here; starts their read if not yet."""
@@ -226,6 +252,7 @@ class ServerLoop:
         for ident in [i for i, c in self._conns.items() if c.session is None and not c.queue]:
             del self._conns[ident]
         self.service.plane.collect()
+        self.gather.forget()
         self.service.metrics.refresh(store.summary)
         self.service.metrics.flush()
 

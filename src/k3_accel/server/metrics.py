@@ -35,6 +35,9 @@ class ServerMetrics:
                                  registry=r, buckets=_STEP_BUCKETS)
         self._batch = Histogram("k3_draft_engine_batch_size", "Requests per propose batch", registry=r,
                                 buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+        self._held = Histogram("k3_draft_batch_held_seconds", "How long a round of proposes was held for "
+                               "targets expected back (--batch-wait-ms)", registry=r,
+                               buckets=(2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3))
         self._reclaimed = PCounter("k3_draft_sessions_reclaimed", "Sessions freed after their lease ran out",
                                    registry=r)
         self._session_messages = PCounter("k3_draft_session_messages", "Messages handled, by session",
@@ -67,6 +70,7 @@ class ServerMetrics:
         self.tokens_proposed = 0
         self.engine_batches = 0
         self.sessions_reclaimed = 0
+        self.batches_held = 0
 
     def _add(self, kind: str, label: str | tuple[str, ...], value: float) -> None:
         with self._lock:
@@ -90,6 +94,10 @@ class ServerMetrics:
         self.engine_batches += 1
         self._add("engine", "", seconds)
         self._add("batch", "", batch)
+
+    def batch_held(self, seconds: float) -> None:
+        self.batches_held += 1
+        self._add("held", "", seconds)
 
     def proposed(self, requests: int, tokens: int) -> None:
         self.proposals += requests
@@ -179,11 +187,12 @@ class ServerMetrics:
     def snapshot(self) -> dict:
         return {"ops": dict(self.ops), "errors": dict(self.errors), "ingested_rows": self.ingested_rows,
                 "proposals": self.proposals, "tokens_proposed": self.tokens_proposed,
-                "engine_batches": self.engine_batches, "sessions_reclaimed": self.sessions_reclaimed}
+                "engine_batches": self.engine_batches, "batches_held": self.batches_held,
+                "sessions_reclaimed": self.sessions_reclaimed}
 
 
 _SIMPLE: dict[str, Callable[[ServerMetrics, float], None]] = {
     "rows": lambda m, v: m._rows.inc(v), "ingest": lambda m, v: m._ingest.observe(v),
     "engine": lambda m, v: m._engine.observe(v), "batch": lambda m, v: m._batch.observe(v),
     "proposed": lambda m, v: m._proposals.inc(v), "tokens": lambda m, v: m._tokens.inc(v),
-    "reclaimed": lambda m, v: m._reclaimed.inc(v)}
+    "reclaimed": lambda m, v: m._reclaimed.inc(v), "held": lambda m, v: m._held.observe(v)}
