@@ -82,9 +82,15 @@ def test_no_round_is_held_past_the_limit():
     clock = Clock()
     g = Gather(0.5 * MS, clock=clock)
     in_step(g, clock, ["a", "b", "c"], 0.4 * MS)
-    g.arrived("c")
+    for k in "abc":
+        g.arrived(k)
+    assert g.wait_s("abc") == 0
+    for k in "abc":
+        g.answered(k)
+    g.arrived("c")              # at once: a and b are due 0.4 ms on, late only after the 0.5 ms limit
     start, held = clock.t, []
     while (w := g.wait_s(["c"])) > 0:
+        assert clock.t + w <= start + g.limit + EPS        # never asks to be held past the limit
         held.append(w)
         clock.t += 0.05 * MS
     assert held, "c was never held for a and b"
@@ -224,11 +230,14 @@ def test_two_targets_taking_turns_end_up_in_one_engine_call(loop_on_test_clock):
         send("a", anchors[3])                      # a alone: run (perhaps after holding it for b)
         assert _drafts(a, clock) == [_lookup(ctx["a"] + [anchors[3]])]
         batches, held = stats.engine_batches, stats.batches_held
-        send("b", anchors[3])                      # b, with a just answered and due back
+        b.send_propose(K, [(0, len(ctx["b"]), [8], anchors[3])])   # b, with a just answered and due back
+        ctx["b"].append(8)
         assert wait_until(lambda: loop.gather.held_since is not None, timeout=60)
         assert observer.call(p.Ping()).ok          # other messages go on while b is held
         assert not b.sock.poll(200), "b was answered without waiting for a, which is due back"
         assert stats.engine_batches == batches
+        # held, b's row is already stored: only the engine call is left once a comes
+        assert _context_length(loop, b) == len(ctx["b"])
         send("a", anchors[4])
         assert _drafts(a, clock) == [_lookup(ctx["a"] + [anchors[4]])]
         assert _drafts(b, clock) == [_lookup(ctx["b"] + [anchors[3]])]
@@ -239,6 +248,44 @@ def test_two_targets_taking_turns_end_up_in_one_engine_call(loop_on_test_clock):
     finally:
         for w in (a, b, observer):
             w.close()
+
+
+def test_a_held_propose_whose_session_ends_is_dropped_and_the_others_go_on(loop_on_test_clock):
+    """b's propose is held (a is due back); b's session then ends through another connection's
+    bye: b is answered NO_SESSION, nothing it admitted stays protected, and a drafts as before."""
+    loop, clock = loop_on_test_clock
+    a, b = Wire(loop.endpoints[0]), Wire(loop.endpoints[0])
+    ctx = {"a": [1, 2, 3, 1, 2], "b": [7, 8, 9, 7, 8]}
+    wires = {"a": a, "b": b}
+    try:
+        for name, w in wires.items():
+            w.ingest([(0, 0, ctx[name])]).raise_for_error()
+        for anchor in (1, 2, 3):
+            for name, w in wires.items():
+                w.send_propose(K, [(0, len(ctx[name]), [], anchor)])
+            for name, w in wires.items():
+                assert _drafts(w, clock) == [_lookup(ctx[name] + [anchor])]
+            clock.t += 1 * MS
+        a.send_propose(K, [(0, len(ctx["a"]), [], 1)])
+        assert _drafts(a, clock) == [_lookup(ctx["a"] + [1])]
+        b.send_propose(K, [(0, len(ctx["b"]), [9], 7)])
+        assert wait_until(lambda: loop.gather.held_since is not None, timeout=60)
+        assert loop.service.store.in_flight, "the held propose's states are not protected"
+        other = Wire(loop.endpoints[0], session=b.session)      # the same session, another connection
+        assert other.call(p.Bye()).ok
+        other.close()
+        reply = b.recv()
+        assert not reply.ok and reply.error[0] == "NO_SESSION"
+        assert wait_until(lambda: not loop.service.store.in_flight, timeout=60)
+        a.send_propose(K, [(0, len(ctx["a"]), [], 2)])
+        assert _drafts(a, clock) == [_lookup(ctx["a"] + [2])]
+    finally:
+        a.close()
+        b.close()
+
+
+def _context_length(loop: ServerLoop, w: Wire) -> int:
+    return loop.service.store.lookup(loop.service.store.sessions[w.session], 0).length
 
 
 def _lookup(history: list[int]) -> list[int]:

@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dflash/dspark: small ingests of host rows (steps that draft nothing) wait for one "
                          "projection at the next propose, up to ROWS rows (0: every ingest projects at once)")
     ap.add_argument("--batch-wait-ms", type=_float_min(0.0), default=1.0,
-                    help="hold a round's proposes up to this long (and at most half an engine call) for "
+                    help="hold a round's proposes up to this long (and at most one engine call) for "
                          "targets expected back within it, so several targets stepping in a loop share one "
                          "engine call instead of taking turns (0: never hold)")
     ap.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO",

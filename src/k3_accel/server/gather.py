@@ -9,7 +9,9 @@ one is due within the wait, and those whose propose is here but not yet ready (i
 still being read). Then the groups run as one batch and stay together.
 
 The wait is bounded: a round is held at most ``limit``, the configured window and at most ``share``
-of the engine's measured call time (waiting longer costs more than the second call it saves). A session that misses its expected arrival is not waited for again
+(default 1) of the engine's measured call time (waiting longer costs more than the second call it
+saves). A held round's proposes are already checked and their rows stored (the loop prepares them as
+they come), so only the engine call is left when the last target arrives. A session that misses its expected arrival is not waited for again
 until it is back; a lone session never waits; a target whose steps are far apart (a vLLM target
 whose forward takes longer than the limit) is never waited for. Host-side and from timestamps only;
 the clock is injectable for tests.
@@ -34,7 +36,7 @@ class _Peer:
 
 
 class Gather:
-    def __init__(self, window_s: float, share: float = 0.5, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, window_s: float, share: float = 1.0, clock: Callable[[], float] = time.monotonic):
         if window_s < 0 or share < 0:
             raise ValueError("the batch wait and its share of the engine time must be >= 0")
         self.window_s, self.share, self.clock = window_s, share, clock

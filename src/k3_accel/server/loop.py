@@ -26,7 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import zmq
 
@@ -54,6 +54,7 @@ class _Conn:
     session: Session | None = None
     owner: str | None = None                      # CURVE client key (z85), when CURVE is on
     queue: deque = field(default_factory=deque)   # p.Request or a ready Reply (decode errors)
+    job: Any = None                               # its head propose, prepared (rows stored), not launched
 
 
 class ServerLoop:
@@ -156,7 +157,11 @@ class ServerLoop:
         heads = [c for c in self._conns.values() if c.queue]
         proposes, pending, handled = [], [], 0
         for conn in heads:
-            if not self._head_fetched(conn):
+            fetched = self._head_fetched(conn)
+            if conn.job is not None and conn.job.session is not conn.session:
+                self.service.discard(conn.job)    # its session ended while the propose was held
+                conn.job = None
+            if not fetched:
                 if isinstance(conn.queue[0].msg, p.Propose):
                     pending.append(conn.session.key)
                 continue                      # its rows are still on their way from the target's GPU
@@ -169,6 +174,8 @@ class ServerLoop:
             elif isinstance(item.msg, p.Attach):
                 self._send(conn, self.service.attach(conn.session, conn.ident, item))
             elif isinstance(item.msg, p.Propose):
+                if conn.job is None:              # its rows are stored now, also while the round is held
+                    conn.job = self.service.prepare(conn.session, item)
                 proposes.append(conn)
                 handled -= 1
                 continue
@@ -192,7 +199,9 @@ class ServerLoop:
         for conn in proposes:
             self.service.metrics.session_message(conn.session.name)
         started = time.perf_counter()
-        batch = self.service.start_batch([(c.session, c.queue[0]) for c in proposes])
+        batch = self.service.launch([c.job for c in proposes])
+        for conn in proposes:
+            conn.job = None
         while not batch.done():          # the device works: read and decode what arrives, and
             if self.sock.poll(0, zmq.POLLIN):  # start its device rows' reads (the next round batches it)
                 self._receive_all()
@@ -264,6 +273,9 @@ class ServerLoop:
         while True:
             self._receive_all()
             for conn in self._conns.values():
+                if conn.job is not None:
+                    self.service.discard(conn.job)
+                    conn.job = None
                 while conn.queue:
                     item = conn.queue.popleft()
                     self._send(conn, p.error_reply(item.seq, self.service.server_id, ErrorCode.SHUTTING_DOWN,

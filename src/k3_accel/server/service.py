@@ -167,14 +167,27 @@ class DraftService:
     def start_batch(self, items: list[tuple[Session, p.Request]]) -> "Batch":
         """Store the rows of every message and launch the engine; the device may still be
         working when this returns (:meth:`Batch.done`, :meth:`Batch.finish`)."""
-        jobs = []
-        try:
-            for session, req in items:       # what one message admits, a later one may not evict
-                jobs.append(self._prepare(session, req))
-                if jobs[-1].admitted is not None:
-                    self.store.in_flight.append(jobs[-1].admitted.states)
-        finally:
-            self.store.in_flight.clear()     # evictions happen only while messages are admitted
+        return self.launch([self.prepare(session, req) for session, req in items])
+
+    def prepare(self, session: Session, req: p.Request) -> _Job:
+        """Check, admit and store one propose's rows now; its drafts come with :meth:`launch`.
+        Until then no other message's admission may evict what it admitted."""
+        job = self._prepare(session, req)
+        if job.admitted is not None:
+            self.store.in_flight.append(job.admitted.states)
+        return job
+
+    def discard(self, job: _Job) -> None:
+        """A prepared propose that will not be launched (its session ended)."""
+        self._release([job])
+
+    def _release(self, jobs: list[_Job]) -> None:
+        held = {id(job.admitted.states) for job in jobs if job.admitted is not None}
+        self.store.in_flight[:] = [states for states in self.store.in_flight if id(states) not in held]
+
+    def launch(self, jobs: list[_Job]) -> "Batch":
+        """The engine over prepared proposes: one call per (k, logits, topk) among them."""
+        self._release(jobs)
         live = [j for j in jobs if j.error is None and j.req.msg.k > 0 and j.admitted.index]
         by_k: dict[tuple, list[_Job]] = {}
         for job in live:

@@ -92,7 +92,7 @@ class RequestStore:
         self._heads: dict[tuple[str, bytes], dict[tuple[str, int], None]] = {}
         self._head_of: dict[tuple[str, int], tuple[str, bytes]] = {}
         self.num_active = 0
-        self.in_flight: list[list[RequestState]] = []  # states of the engine batch being built
+        self.in_flight: list[list[RequestState]] = []  # states of proposes prepared, not launched yet
         self.on_gave_back: Callable[[Session, str], None] | None = None
         self._sessions_opened = 0
         self._free_slots: list[int] = []
