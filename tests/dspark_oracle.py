@@ -72,6 +72,12 @@ def interpreted_gumbel_sample():
 import vllm.v1.worker.gpu.spec_decode.dspark.speculator as dspark_speculator  # noqa: E402
 dspark_speculator.gumbel_sample = interpreted_gumbel_sample()
 
+import vllm.model_executor.layers.utils as layer_utils  # noqa: E402
+# vLLM's CUDA wheel, run here on the CPU, has no CPU kernels: on a CPU with AMX its GEMM dispatch picks
+# the packed bf16 kernels (torch.ops._C.convert_weight_packed) and fails; elsewhere it takes torch's
+# linear. Torch's linear on every machine.
+layer_utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
+
 def build(vc, draft, target, dtype):
     with set_default_torch_dtype(dtype):
         model = Qwen3DSparkForCausalLM(vllm_config=vc, prefix="")
