@@ -18,6 +18,7 @@ import torch
 
 from launch_triton_check import MAX_REQS, random_step
 
+from k3_accel.vllm.spec_decode import v2_launch
 from k3_accel.vllm.spec_decode.off_rows import OffRows
 from k3_accel.vllm.spec_decode.v2_held import HOLD_STEPS, HeldSteps
 from k3_accel.vllm.spec_decode.v2_launch import DeviceRows, LaunchSlots, launch
@@ -144,7 +145,18 @@ def test_held_steps_ship_the_rows_a_launch_would(seed):
 
 
 @pytest.mark.gpu
-def test_held_steps_ship_the_rows_a_launch_would_on_the_gpu():
-    # wide rows: the launch's copy out of the device buffers lasts long enough to race with the held
-    # step's writes, were they not ordered after it
-    assert check(torch.device("cuda"), 300, 1, (1024, 512)) >= 300
+def test_held_steps_ship_the_rows_a_launch_would_on_the_gpu(monkeypatch):
+    # the launch's copy out of the device buffers starts only after its side stream has slept a few
+    # milliseconds: the held step's writes into the same buffers would land first, were they not
+    # ordered after that copy (a race made certain, not left to the GPU's timing)
+    real = v2_launch.copy_out
+
+    def late_copy_out(rows, pairs, compute):
+        if compute is not None:
+            rows.side.wait_stream(compute)
+            with torch.cuda.stream(rows.side):
+                torch.cuda._sleep(5_000_000)
+        return real(rows, pairs, compute)
+
+    monkeypatch.setattr(v2_launch, "copy_out", late_copy_out)
+    assert check(torch.device("cuda"), 200, 1, (1024, 512)) >= 200
