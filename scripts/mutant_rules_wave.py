@@ -170,8 +170,8 @@ WAVE_MUTANTS = (
            "server/rows.py", "    return torch.bitwise_and(words, mask).amax(dim=1) >= first_bad",
            "    return torch.bitwise_and(words, mask).amax(dim=1) > first_bad", ("tests/test_store.py",)),
     Mutant("loop-reads-after-batch", "a device-row read starts as its message arrives, also while the engine works",
-           "server/loop.py", "                    for conn in self._conns.values():\n                        if conn.queue "
-           "and conn not in proposes:\n                            self._head_fetched(conn)\n", "",
+           "server/loop.py", "                for conn in self._conns.values():\n                    if conn.queue "
+           "and conn not in proposes:\n                        self._head_fetched(conn)\n", "",
            ("tests/test_server_loop_reads.py",)),
     Mutant("ring-hold-kept", "a launch gives its ring slot back when the draft thread is done with the step",
            "vllm/spec_decode/v2_launch.py",
@@ -250,6 +250,9 @@ WAVE_MUTANTS = (
     Mutant("gather-waits-for-slow-target", "a target whose steps are further apart than the limit is not waited for",
            "server/gather.py", "            if peer.turn > limit or due > cap:", "            if due > cap + 1:",
            ("tests/test_server_gather.py",)),
+    Mutant("gather-waits-for-stuck-read", "a propose whose device rows never come holds no round past the limit",
+           "server/gather.py", "peer.arrived_at is not None and now - peer.arrived_at <= limit:",
+           "peer.arrived_at is not None:", ("tests/test_server_gather.py",)),
     Mutant("gather-prepare-at-launch", "a held propose's rows are stored while it is held",
            "server/loop.py", "                if conn.job is None:              # its rows are stored now",
            "                if False:              # its rows are stored now", ("tests/test_server_gather.py",)),

@@ -150,6 +150,25 @@ def test_a_propose_here_whose_rows_are_still_on_their_way_is_waited_for_up_to_th
     assert g.wait_s(["a"], pending=["b"]) == 0
 
 
+def test_a_propose_whose_rows_never_come_is_not_waited_for_again():
+    """A target that died mid-step leaves a propose whose device read never completes: a round
+    is not held for it once it has been pending longer than the limit."""
+    clock = Clock()
+    g = Gather(1.0 * MS, clock=clock)
+    g.arrived("dead")
+    clock.t += 0.5 * MS
+    g.arrived("a")
+    assert g.wait_s(["a"], pending=["dead"]) > 0      # young: its rows may be microseconds away
+    clock.t += 0.5 * MS
+    assert g.wait_s(["a"], pending=["dead"]) == 0     # the limit: the round runs
+    g.answered("a")
+    for _ in range(3):                                # later rounds: never held for it again
+        clock.t += 0.3 * MS
+        g.arrived("a")
+        assert g.wait_s(["a"], pending=["dead"]) == 0
+        g.answered("a")
+
+
 def test_no_wait_at_all_when_switched_off():
     clock = Clock()
     g = Gather(0.0, clock=clock)

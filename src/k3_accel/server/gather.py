@@ -6,7 +6,7 @@ a part of the targets (four targets of B = 8 made about 14 requests per call, no
 So a round may hold its proposes briefly for the sessions **expected back**: those whose last
 propose was answered and whose measured turnaround (reply sent -> next propose here) says the next
 one is due within the wait, and those whose propose is here but not yet ready (its device rows are
-still being read). Then the groups run as one batch and stay together.
+still being read, for at most the limit: a target that died mid-step leaves a read that never ends). Then the groups run as one batch and stay together.
 
 The wait is bounded: a round is held at most ``limit``, the configured window and at most ``share``
 (default 1) of the engine's measured call time (waiting longer costs more than the second call it
@@ -30,6 +30,7 @@ FORGET_S = 60.0         # a session silent this long is forgotten
 @dataclass(slots=True)
 class _Peer:
     answered_at: float | None = None
+    arrived_at: float | None = None  # its latest propose
     turn: float | None = None        # running mean of reply sent -> next propose here
     back: bool = False               # a propose arrived since the last reply
     missed: bool = False             # not back when expected: not waited for until it is
@@ -48,11 +49,11 @@ class Gather:
     # ------------------------------------------------------------------ events
     def arrived(self, key: str) -> None:
         """A propose of session ``key`` arrived."""
-        peer = self._peers.setdefault(key, _Peer())
+        now, peer = self.clock(), self._peers.setdefault(key, _Peer())
         if not peer.back and peer.answered_at is not None:
-            gap = self.clock() - peer.answered_at
+            gap = now - peer.answered_at
             peer.turn = gap if peer.turn is None else peer.turn + ALPHA * (gap - peer.turn)
-        peer.back, peer.missed = True, False
+        peer.back, peer.missed, peer.arrived_at = True, False, now
 
     def answered(self, key: str) -> None:
         """A reply to a propose of session ``key`` was sent."""
@@ -77,9 +78,10 @@ class Gather:
 
     def wait_s(self, ready: Iterable[str], pending: Iterable[str] = ()) -> float:
         """How much longer to hold the proposes of the ``ready`` sessions (0: run them now).
-        ``pending``: sessions whose propose is here but not ready (its device rows on their way)."""
+        ``pending``: sessions whose propose is here but not ready (its device rows on their way);
+        one that has been so for longer than the limit (a target that died mid-step) is not waited for."""
         now = self.clock()
-        until = self._until(set(ready), bool(set(pending)), now)
+        until = self._until(set(ready), set(pending), now)
         if until is None:
             self.held_s = None if self.held_since is None else now - self.held_since
             self.held_since = None
@@ -88,15 +90,17 @@ class Gather:
             self.held_since = now
         return until - now
 
-    def _until(self, ready: set[str], pending: bool, now: float) -> float | None:
+    def _until(self, ready: set[str], pending: set[str], now: float) -> float | None:
         limit = self.limit
         if limit <= 0:
             return None
         cap = (now if self.held_since is None else self.held_since) + limit
         if cap <= now:
             return None
-        if pending:
-            return cap
+        for key in pending:
+            peer = self._peers.get(key)
+            if peer is not None and peer.arrived_at is not None and now - peer.arrived_at <= limit:
+                return cap
         until = None
         for key, peer in self._peers.items():
             if key in ready or peer.back or peer.missed or peer.answered_at is None or peer.turn is None:
