@@ -78,6 +78,7 @@ import vllm.model_executor.layers.utils as layer_utils  # noqa: E402
 # linear. Torch's linear on every machine.
 layer_utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
 
+
 def build(vc, draft, target, dtype):
     with set_default_torch_dtype(dtype):
         model = Qwen3DSparkForCausalLM(vllm_config=vc, prefix="")

@@ -107,13 +107,21 @@ def test_the_limit_is_at_most_a_share_of_the_engine_call():
     assert g.limit == 1.0 * MS
 
 
-def test_a_session_whose_steps_are_far_apart_is_never_waited_for():
+@pytest.mark.parametrize("step_ms", [5, 12, 30])
+def test_a_session_whose_steps_are_far_apart_is_never_waited_for(step_ms):
+    """A vLLM target runs a forward between its proposes: even when its next one is due within
+    the wait, another target's round is not held for it."""
     clock = Clock()
     g = Gather(1.0 * MS, clock=clock)
-    in_step(g, clock, ["slow", "b"], 12 * MS)        # a vLLM target: a forward between its proposes
-    g.answered("slow")
-    g.arrived("b")
-    assert g.wait_s(["b"]) == 0
+    in_step(g, clock, ["slow", "b"], step_ms * MS)
+    for before_due_ms in (step_ms, 0.5, 0.1):        # b comes early in slow's step, then just before it is due
+        g.answered("slow")
+        clock.t += (step_ms - before_due_ms) * MS
+        g.arrived("b")
+        assert g.wait_s(["b"]) == 0
+        g.answered("b")
+        clock.t += before_due_ms * MS
+        g.arrived("slow")
 
 
 def test_a_session_that_does_not_come_back_is_waited_for_once_then_not_until_it_returns():
@@ -215,9 +223,10 @@ def loop_on_test_clock():
 
 
 def _drafts(w: Wire, clock: Clock) -> list[list[int]]:
-    """The reply's drafts; while none has come, move the test's clock on (that only ends holds)."""
+    """The reply's drafts; while none has come, move the test's clock on (that only ends holds), by
+    less than a target's slack, so that a reply the machine was slow to deliver ends no hold."""
     while not w.sock.poll(50):
-        clock.t += 1 * MS
+        clock.t += 0.2 * MS
     reply = w.recv()
     assert reply.ok and not reply.failures, reply.error
     return reply.tensors["drafts"].tolist()
@@ -296,8 +305,10 @@ def test_a_held_propose_whose_session_ends_is_dropped_and_the_others_go_on(loop_
         reply = b.recv()
         assert not reply.ok and reply.error[0] == "NO_SESSION"
         assert wait_until(lambda: not loop.service.store.in_flight, timeout=60)
+        held = loop.service.metrics.batches_held
         a.send_propose(K, [(0, len(ctx["a"]), [], 2)])
         assert _drafts(a, clock) == [_lookup(ctx["a"] + [2])]
+        assert loop.service.metrics.batches_held == held    # a ran at once: b's hold is over, not a's
     finally:
         a.close()
         b.close()

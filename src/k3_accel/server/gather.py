@@ -64,6 +64,10 @@ class Gather:
         """One round's engine call took this long."""
         self.engine_s = seconds if self.engine_s is None else self.engine_s + ALPHA * (seconds - self.engine_s)
 
+    def idle(self) -> None:
+        """No round's proposes wait now (those held went away): the next hold starts afresh."""
+        self.held_since = None
+
     def forget(self) -> None:
         """Drop sessions silent for FORGET_S (closed ones among them)."""
         now = self.clock()

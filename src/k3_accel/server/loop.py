@@ -159,8 +159,7 @@ class ServerLoop:
         for conn in heads:
             fetched = self._head_fetched(conn)
             if conn.job is not None and conn.job.session is not conn.session:
-                self.service.discard(conn.job)    # its session ended while the propose was held
-                conn.job = None
+                self._drop_job(conn)              # its session ended while the propose was held
             if not fetched:
                 if isinstance(conn.queue[0].msg, p.Propose):
                     pending.append(conn.session.key)
@@ -192,7 +191,14 @@ class ServerLoop:
                 self.service.metrics.batch_held(self.gather.held_s)
             self._run_proposes(proposes)
             handled += len(proposes)
+        else:
+            self.gather.idle()                # nothing held now: a later hold starts afresh
         return handled > 0
+
+    def _drop_job(self, conn: _Conn) -> None:
+        """Its prepared propose will not run: what it admitted is no longer protected."""
+        self.service.release([conn.job])
+        conn.job = None
 
     def _run_proposes(self, proposes: list[_Conn]) -> None:
         """The proposes of one round as one engine batch; receive what arrives meanwhile."""
@@ -274,8 +280,7 @@ class ServerLoop:
             self._receive_all()
             for conn in self._conns.values():
                 if conn.job is not None:
-                    self.service.discard(conn.job)
-                    conn.job = None
+                    self._drop_job(conn)
                 while conn.queue:
                     item = conn.queue.popleft()
                     self._send(conn, p.error_reply(item.seq, self.service.server_id, ErrorCode.SHUTTING_DOWN,

@@ -177,17 +177,15 @@ class DraftService:
             self.store.in_flight.append(job.admitted.states)
         return job
 
-    def discard(self, job: _Job) -> None:
-        """A prepared propose that will not be launched (its session ended)."""
-        self._release([job])
-
-    def _release(self, jobs: list[_Job]) -> None:
+    def release(self, jobs: list[_Job]) -> None:
+        """Prepared proposes launched now, or never (their session ended): what they admitted is
+        no longer protected from eviction."""
         held = {id(job.admitted.states) for job in jobs if job.admitted is not None}
         self.store.in_flight[:] = [states for states in self.store.in_flight if id(states) not in held]
 
     def launch(self, jobs: list[_Job]) -> "Batch":
         """The engine over prepared proposes: one call per (k, logits, topk) among them."""
-        self._release(jobs)
+        self.release(jobs)
         live = [j for j in jobs if j.error is None and j.req.msg.k > 0 and j.admitted.index]
         by_k: dict[tuple, list[_Job]] = {}
         for job in live:
