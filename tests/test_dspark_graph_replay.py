@@ -7,41 +7,15 @@ host buffer let the sampled replay overwrite the greedy one's drafts on the H200
 not zeroed: a step reads only the block-table entries inside each request's context."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from dflash_support import Mirror, random_rows
 from dspark_support import SHAPES, checkpoints
 from k3_accel.server.engines.dflash import DSparkEngine
-from k3_accel.server.engines.dflash.graphs import GraphRunner
+from graph_support import SimulatedGraphs
 
 TEMPERATURES = [0.0, 0.5, 1.0, 2.0, 0.0, 1.0, 0.5]
-
-
-class SimulatedGraphs(GraphRunner):
-    """Capture records the step over its static buffers; a replay reruns it on whatever those
-    buffers hold then and copies the results into the captured outputs."""
-
-    def _record(self, batch):
-        out = self.engine.drafts(batch)
-        static = [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
-
-        def replay():
-            new = self.engine.drafts(batch)
-            fresh = [t for t in (new if isinstance(new, tuple) else (new,)) if t is not None]
-            for s, f in zip(static, fresh, strict=True):
-                s.copy_(f)
-        return SimpleNamespace(replay=replay), out
-
-    def _host(self, n, dtype, zero=True):
-        """A buffer not zeroed holds what its last user left: here ids far past the pool (NaN
-        for floats), so a step that read past what ``host_inputs`` writes would fail or differ."""
-        buf = super()._host(n, dtype, zero)
-        if not zero:
-            buf.fill_(float("nan") if dtype.is_floating_point else 2 ** 30)
-        return buf
 
 
 @pytest.fixture(scope="module")

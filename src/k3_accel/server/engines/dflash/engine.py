@@ -15,7 +15,9 @@
 * Propose: every request's query block goes through the layers together;
   attention reads each request's own paged context. Greedy argmax runs on
   the device and only ``[R, k]`` ids come back, unless logits are asked for.
-  On CUDA, decode-shaped proposals replay CUDA graphs (:mod:`.graphs`).
+  On CUDA, decode-shaped proposals replay CUDA graphs (:mod:`.graphs`), which
+  also project and store the waiting rows (a decode step's accepted rows), so a
+  decode step is one replay.
 * All device work runs on an engine-owned CUDA stream, so any thread may call.
 """
 from __future__ import annotations
@@ -127,8 +129,8 @@ class DFlashEngine(DraftEngine):
         if coalesce_rows < 0:
             raise ValueError(f"coalesce_rows must be >= 0, got {coalesce_rows}")
         self.coalesce_rows = coalesce_rows
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []    # (index [2, n], hidden [n, W])
-        self._pending_rows = 0
+        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []    # (positions, slots [2, n]; hidden [n, W])
+        self.pending_rows = 0         # rows whose projection is still waiting
         self.graphs = None
         if cuda and cuda_graphs and self.ops is not ops_torch:
             from .graphs import GraphRunner
@@ -258,30 +260,40 @@ class DFlashEngine(DraftEngine):
                 index = np.empty((2, rows), dtype=np.int64)
                 index[0] = batch.positions.numpy()
                 index[1] = np.concatenate(slots)
-                self._pending.append((torch.from_numpy(index).to(self.device, non_blocking=True),
-                                      batch.hidden.to(self.device, non_blocking=True).to(self.dtype)))
-                self._pending_rows += rows
+                self._pending.append((index, batch.hidden.to(self.device, non_blocking=True).to(self.dtype)))
+                self.pending_rows += rows
         if batch.hidden is None or (batch.hidden.device.type != "cpu" and not batch.owned) or \
-                not rows * 4 <= self.coalesce_rows or self._pending_rows >= self.coalesce_rows:
+                not rows * 4 <= self.coalesce_rows or self.pending_rows >= self.coalesce_rows:
             self.flush()                 # device rows the caller owns may change after the call; large ingests go now
         self._stats["ingest_rows"] = rows
         self._stats["ingest_seconds"] = time.perf_counter() - start
+
+    def take_pending(self) -> list[tuple[np.ndarray, torch.Tensor]]:
+        """Hand the waiting rows over (``(positions and slots [2, n], hidden [n, W])`` each)
+        to whoever stores them next: :meth:`flush`, or a graph replay (:mod:`.graphs`)."""
+        pending, self._pending, self.pending_rows = self._pending, [], 0
+        return pending
 
     def flush(self) -> None:
         """Project and store every ingested row still waiting (see the module docstring)."""
         if not self._pending:
             return
-        pending, self._pending, self._pending_rows = self._pending, [], 0
+        pending = self.take_pending()
         with self._on_device(), torch.inference_mode():
             events = self._events()
-            index = pending[0][0] if len(pending) == 1 else torch.cat([i for i, _ in pending], dim=1)
+            index = pending[0][0] if len(pending) == 1 else np.concatenate([i for i, _ in pending], axis=1)
             hidden = pending[0][1] if len(pending) == 1 else torch.cat([h for _, h in pending])
-            proj = context_projection(self.weights, self.ops, hidden)
-            self.ops.store_context(proj, self.weights.k_norms, self.weights.cos_sin, index[0],
-                                   index[1], self.cache.kv, self.config)
+            index = torch.from_numpy(index).to(self.device, non_blocking=True)
+            self.store_rows(index[0], index[1], hidden)
             if events is not None:
                 events[1].record(self.stream)
                 self._ingest_events = events
+
+    def store_rows(self, positions: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Project context rows ``hidden [n, W]`` and write their K/V at ``slots`` (graph-capturable)."""
+        proj = context_projection(self.weights, self.ops, hidden)
+        self.ops.store_context(proj, self.weights.k_norms, self.weights.cos_sin, positions, slots,
+                               self.cache.kv, self.config)
 
     def _events(self) -> tuple[Any, Any] | None:
         if self.stream is None:
@@ -319,6 +331,13 @@ class DFlashEngine(DraftEngine):
         return block_logits(self.weights, self.ops, self.cache.kv, batch,
                             self._splits(batch.anchors.shape[0]))
 
+    def step(self, batch: BlockBatch, store: tuple | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """What a graph replays: store context rows (``store``: positions, slots, hidden; or
+        None), then :meth:`drafts`."""
+        if store is not None:
+            self.store_rows(*store)
+        return self.drafts(batch)
+
     def drafts(self, batch: BlockBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy draft ids ``[R, k]`` on the device (graph-capturable); an engine with
         per-draft confidence returns ``(ids, confidence [R, k] float32)``."""
@@ -330,16 +349,16 @@ class DFlashEngine(DraftEngine):
         r, k = len(batch.states), batch.k
         if r == 0 or k == 0:
             return self._empty(r, k, batch)
-        self.flush()
         self._ensure_positions(max(s.length for s in batch.states) + k + 1)
         anchors = batch.anchors.reshape(-1).cpu()
         tokens = None
         with self._on_device():
             if batch.logits == "none" and self.graphs is not None:
-                tokens = self.graphs.run(anchors, batch.states, k, batch)
+                tokens = self.graphs.run(anchors, batch.states, k, batch)   # stores the waiting rows
             if tokens is not None:
                 out = Proposal(tokens[0], ready=tokens[1], confidence=tokens[2])
             else:
+                self.flush()
                 out = self._propose_eager(anchors, batch)
         self._stats["propose_batch"] = r
         self._stats["propose_seconds"] = time.perf_counter() - start

@@ -1,8 +1,10 @@
 """The engine's one K/V pool: sized once from a byte budget, paged in blocks.
 
 ``kv[0]`` holds keys and ``kv[1]`` values, each
-``[layers, num_blocks, block_rows, kv_heads, head_dim]``; block ``b`` of the
-:class:`~..pool.BlockPool` is ``kv[:, :, b]``. Zero-filled at start, so every
+``[layers, num_blocks + 1, block_rows, kv_heads, head_dim]``; block ``b`` of the
+:class:`~..pool.BlockPool` is ``kv[:, :, b]``. The last block is the trash, workspace outside
+the pool's budget (like the graphs' buffers): the pool never hands it out, and a graph's
+padding rows are stored there. Zero-filled at start, so every
 slot always holds finite values (the PyTorch attention path multiplies masked
 slots by zero).
 """
@@ -41,12 +43,14 @@ class KVCache:
     def __init__(self, cfg: DFlashConfig, num_blocks: int, block_rows: int, dtype: torch.dtype,
                  device: torch.device):
         self.pool = BlockPool(num_blocks, block_rows)
-        self.kv = torch.zeros(2, cfg.num_layers, num_blocks, block_rows, cfg.num_kv_heads,
+        self.kv = torch.zeros(2, cfg.num_layers, num_blocks + 1, block_rows, cfg.num_kv_heads,
                               cfg.head_dim, dtype=dtype, device=device)
+        self.trash_slot = num_blocks * block_rows      # the first row of the trash block
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        """The pool's bytes (what the budget bounds; the trash block is not counted)."""
+        return self.pool.num_blocks * self.kv[:, :, 0].numel() * self.kv.element_size()
 
     def copy_block(self, src: int, dst: int, rows: int) -> None:
         """Copy on write: the first ``rows`` rows of block ``src`` into block ``dst``."""
