@@ -49,7 +49,8 @@ SERVER_MUTANTS = (
            "(hd ** -0.5) * _LOG2E", "(hd ** -0.5) * _LOG2E * 1.25", ("tests/test_dflash_gpu.py",)),
     Mutant("graphs-no-max-bucket", "every batch size up to the maximum has a captured graph", D + "graphs.py",
            "        self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})",
-           "        self.buckets = sorted({b for b in BUCKETS if b < max_batch})", ("tests/test_dflash_gpu.py",)),
+           "        self.buckets = sorted({b for b in BUCKETS if b < max_batch})",
+           ("tests/test_dflash_gpu.py", "tests/test_graph_stored_rows.py")),
     # ------------------------------------------------------------- DSpark
     Mutant("dspark-capture-ids-unshifted", "eagle capture indices are layer id + 1", D + "dspark_config.py",
            "        return [int(i) - 1 for i in captured]", "        return [int(i) for i in captured]",

@@ -138,6 +138,8 @@ def run(mutant: Mutant, timeout: float) -> str:
             return "CAUGHT (timeout)"
         if "deselected" in proc.stdout and " passed" not in proc.stdout and proc.returncode == 5:
             return "NOT RUN"                    # every guarding test was deselected in that environment
+        if proc.returncode in (3, 4):           # pytest's internal or usage error (a conftest that cannot
+            return f"ERROR (exit {proc.returncode})"   # import: the environment, not the mutant)
         return "CAUGHT" if proc.returncode != 0 else "MISSED"
 
 

@@ -132,3 +132,29 @@ def test_padding_rows_are_stored_in_the_trash_block_only(ckpt):
     changed = (engine.cache.kv != before).flatten(3).any(-1).any(1).any(0)   # [blocks + trash]
     assert {int(b) for b in changed[:-1].nonzero()} == {state.blocks[3]}     # rows 12..14 only
     assert bool(changed[-1])                                  # the padding row went to the trash
+
+
+@pytest.mark.parametrize("max_batch", [8, 12])
+def test_every_batch_size_up_to_the_maximum_replays_a_graph(ckpt, max_batch):
+    """A batch of any size from 1 to ``max_batch`` drafts through a graph (a bucket holds it), with
+    and without rows waiting, and drafts what the eager step drafts where the draft is clear."""
+    engine = DFlashEngine(str(ckpt[0]), str(ckpt[1]), block_size=4, budget_bytes=4 << 20, max_batch=max_batch)
+    eager = _engine(ckpt)
+    runner = engine.graphs = SimulatedGraphs(engine, max_batch=max_batch)
+    mg, me = Mirror(engine), Mirror(eager)
+    gen = torch.Generator().manual_seed(5)
+    sg, se = [mg.new() for _ in range(max_batch)], [me.new() for _ in range(max_batch)]
+    rows = [random_rows(gen, 6) for _ in range(max_batch)]
+    mg.ingest(list(zip(sg, [0] * max_batch, rows)))
+    me.ingest(list(zip(se, [0] * max_batch, rows)))
+    for r in range(1, max_batch + 1):
+        if r % 2:                                             # a decode step's row for each request
+            more = [random_rows(gen, 1) for _ in range(r)]
+            mg.ingest([(s, mg.engine.length(s), x) for s, x in zip(sg[:r], more)])
+            me.ingest([(s, me.engine.length(s), x) for s, x in zip(se[:r], more)])
+        before = len(runner.replayed)
+        got = mg.propose(sg[:r], list(range(r)), K, logits="none")
+        assert len(runner.replayed) == before + 1, r
+        want = me.propose(se[:r], list(range(r)), K)
+        ok = clear_positions(want.logits.double(), logit_tolerance(torch.float32, want.logits.double()))
+        assert torch.equal(got.tokens[ok], want.tokens[ok]), r
