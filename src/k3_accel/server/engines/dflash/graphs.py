@@ -8,12 +8,14 @@ rows (the engine's pending ingest: the accepted rows of each request), whose pos
 slots follow the tables in the input buffer and whose hidden rows are in one device buffer
 shared by every graph; padding rows go to the cache's trash slot, which no table names.
 Per bucket ``b`` the row capacities are ``b``, ``2b``, ``4b`` .. up to ``b (k + 1)``
-rounded up to a power of two; more rows are stored eagerly first. an engine that samples (``caps.sampling``: DSpark) also
-reads each row's temperature (0: greedy, the draft is the argmax) and seed. A replay is one
+rounded up to a power of two; more rows are stored eagerly first. An engine that samples
+(``caps.sampling``: DSpark) also reads each row's temperature (0: greedy, the draft is the argmax)
+and seed. A replay is one
 host-to-device copy from a pinned buffer, the replay, one device-to-host copy of the ids into pinned
 memory and an event after it: whoever needs the ids waits on that event, the
 step's only host synchronisation (the server reads its socket meanwhile). Graphs
-share one memory pool and are captured largest bucket first.
+share one memory pool; those of the engine's ``graph_k`` are captured at start, largest
+bucket first, and any other on its first use, alone.
 
 Every replay gets its own pinned buffers and event (PyTorch's caching host allocator hands a
 freed one out again only once its copies are done): the server launches one replay per group
