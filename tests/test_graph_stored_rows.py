@@ -158,3 +158,24 @@ def test_every_batch_size_up_to_the_maximum_replays_a_graph(ckpt, max_batch):
         want = me.propose(se[:r], list(range(r)), K)
         ok = clear_positions(want.logits.double(), logit_tolerance(torch.float32, want.logits.double()))
         assert torch.equal(got.tokens[ok], want.tokens[ok]), r
+
+
+def test_graphs_of_a_smaller_k_store_rows_after_a_larger_k_is_captured(ckpt):
+    """Graphs captured for K = 3 (rows up to 4 per request) still store what they are given after
+    graphs for K = 7 (up to 8 per request) are captured on first use: every graph reads the one row
+    buffer the replays are filled through."""
+    graphed, eager = _engine(ckpt), _engine(ckpt)
+    runner = graphed.graphs = SimulatedGraphs(graphed, max_batch=8)
+    runner.capture(3)
+    mg, me = Mirror(graphed), Mirror(eager)
+    gen = torch.Generator().manual_seed(6)
+    sg, se = [mg.new() for _ in range(4)], [me.new() for _ in range(4)]
+    for step, k in enumerate((3, 7, 3, 7, 3)):
+        rows = [random_rows(gen, 2 if step else 6) for _ in range(4)]
+        mg.ingest([(s, graphed.length(s), x) for s, x in zip(sg, rows)])
+        me.ingest([(s, eager.length(s), x) for s, x in zip(se, rows)])
+        before = len(runner.replayed)
+        mg.propose(sg, [1, 2, 3, 4], k, logits="none")
+        assert runner.replayed[before:] == [8 if step else 0], step      # 24 rows first: stored eagerly
+        me.propose(se, [1, 2, 3, 4], k)
+        _same_kv(graphed, eager)

@@ -59,8 +59,10 @@ class GraphRunner:
         self.captured_k: set[int] = set()
         self.cuda = engine.device.type == "cuda"
         self.mempool = torch.cuda.graph_pool_handle() if self.cuda else None
-        self.hidden: torch.Tensor | None = None    # [most rows, context width]: the rows a replay stores
         self._size()
+        most = max(self.buckets) * max(self.row_caps(1, engine.caps.max_spec_tokens), default=0)
+        # the rows a replay stores; one buffer for every graph, sized once (a graph reads the one it saw)
+        self.hidden = torch.zeros(most, engine.caps.context_width, dtype=engine.dtype, device=engine.device)
 
     def row_caps(self, bucket: int, k: int) -> tuple[int, ...]:
         """Context rows a graph of ``(bucket, k)`` may store: ``bucket`` x 1, 2, 4 .. (k + 1)
@@ -100,9 +102,6 @@ class GraphRunner:
 
     def _capture(self, bucket: int, k: int, rows: int) -> _Graph:
         eng = self.engine
-        most = max(self.buckets) * max(self.row_caps(1, k), default=0)
-        if self.hidden is None or self.hidden.shape[0] < most:
-            self.hidden = torch.zeros(most, eng.caps.context_width, dtype=eng.dtype, device=eng.device)
         base = bucket * (2 + self.width)
         inputs = torch.zeros(base + 2 * rows, dtype=torch.int32, device=eng.device)
         batch = eng.device_batch(inputs[:base], bucket, self.width, k)
