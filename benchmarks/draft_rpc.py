@@ -41,7 +41,7 @@ import draft_step  # noqa: E402  (benchmarks/draft_step.py)
 
 
 def serve(port: int, quick: bool, profile: str | None = None, trace: str | None = None,
-          batch_wait_ms: float | None = None) -> None:
+          batch_wait_ms: float | None = None, cprofile: str | None = None) -> None:
     import signal
     import zmq
     from k3_accel.server.engines.dflash import DFlashEngine
@@ -68,6 +68,19 @@ def serve(port: int, quick: bool, profile: str | None = None, trace: str | None 
     gc.freeze()          # as k3-draft-server does once its engine is loaded
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if cprofile:                       # the host's share by Python function (the loop's idle polls included)
+        import cProfile
+        import io
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        loop.serve(stop)
+        prof.disable()
+        text = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+        Path(cprofile).write_text(text.getvalue())
+        return
     if profile is None:
         loop.serve(stop)
         if trace:
@@ -85,10 +98,11 @@ def serve(port: int, quick: bool, profile: str | None = None, trace: str | None 
                                           max_name_column_width=60) + "\n")
 
 
-def start_server(quick: bool, profile: str | None = None, trace: str | None = None) -> tuple[subprocess.Popen, int, int]:
+def start_server(quick: bool, profile: str | None = None, trace: str | None = None,
+                 cprofile: str | None = None) -> tuple[subprocess.Popen, int, int]:
     port = free_port()
     extra = (["--quick"] if quick else []) + (["--profile-server", profile] if profile else []) \
-        + (["--trace-server", trace] if trace else [])
+        + (["--trace-server", trace] if trace else []) + (["--cprofile-server", cprofile] if cprofile else [])
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)] + extra,
                             env=env(), stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline().split()
@@ -161,9 +175,9 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
 
 
 def run(batches: list[int], k: int, context: int, iters: int, quick: bool, paths: list[str],
-        profile: str | None = None, trace: str | None = None) -> list[dict]:
+        profile: str | None = None, trace: str | None = None, cprofile: str | None = None) -> list[dict]:
     """Every (path, B) against one server process (its engine built once)."""
-    proc, port, width = start_server(quick, profile, trace)
+    proc, port, width = start_server(quick, profile, trace, cprofile)
     try:
         return [measure(port, width, path, b, k, context, iters) for path in paths for b in batches]
     finally:
@@ -201,18 +215,20 @@ def main() -> None:
     ap.add_argument("--profile-server", help="write the server's torch profile (device and host time by op) to this file")
     ap.add_argument("--trace-server", help="write a timeline of the server's handling of each propose "
                                            "(median ms between steps, per path and B; server_trace.py) to this file")
+    ap.add_argument("--cprofile-server", help="write the server's cProfile tables (host time by Python function) "
+                                              "to this file")
     ap.add_argument("--merge", help="a draft-step JSON to write the results into (client_round_trip)")
     ap.add_argument("--out", help="write the JSON document (summary + results) here, e.g. draft-rpc-h200.json")
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.quick, args.profile_server, args.trace_server, args.batch_wait_ms)
+        serve(args.serve, args.quick, args.profile_server, args.trace_server, args.batch_wait_ms, args.cprofile_server)
         return
     batches = [args.batch] if args.batch else [int(x) for x in args.batches.split(",")]
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
     if any(x not in ("host", "device") for x in paths):
         ap.error(f"--paths {args.paths!r}: host and/or device")
     results = run(batches, args.k, args.context, args.iters, args.quick, paths, args.profile_server,
-                  args.trace_server)
+                  args.trace_server, args.cprofile_server)
     doc = {"summary": summary(results), "results": results}
     text = json.dumps(doc, indent=2)
     print(text)

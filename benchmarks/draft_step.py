@@ -159,7 +159,7 @@ def main() -> None:
                               "eager_ms": eager_ms, "floor_ms": 1e3 * floor, "ratio": ms / (1e3 * floor),
                               "flop_ms": 1e3 * parts.propose_flops(cfg, b, k, c) / bw["matmul_flops"]})
                 graph = engine.graphs and engine.graphs.graphs.get(
-                    (next(x for x in engine.graphs.buckets if x >= b), k))
+                    (next(x for x in engine.graphs.buckets if x >= b), k, 0))
                 if graph:                  # the replay alone: propose_ms minus this is host time
                     with torch.cuda.stream(engine.stream):
                         table[-1]["graph_device_ms"] = parts._events_ms(graph.graph.replay, args.iters)

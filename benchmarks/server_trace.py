@@ -11,8 +11,8 @@ this file patches the classes of the server process it runs in (``draft_rpc.py
 Marks, in order: ``recv`` (frames taken off the socket), ``read_issue`` / ``read_issued``
 (the device plane queues a read of the target's slot: host time to queue it),
 within it ``_copy_rows`` / ``_check_rows`` (and ``.done``: queueing the copy, the
-non-finite check), ``read_seen`` (the loop finds the read complete), ``batch`` (the service starts the batch:
-admission, rows stored), ``engine_ingest`` / ``engine_ingested`` (the engine queues the
+non-finite check), ``read_seen`` (the loop finds the read complete), ``batch`` / ``prepared`` (the service prepares a
+propose: admission, rows stored), ``launch`` (the round's proposes go to the engine), ``engine_ingest`` / ``engine_ingested`` (the engine queues the
 rows' store), ``engine_launch`` / ``engine_launched`` (the engine queues the propose),
 ``finish`` / ``replies`` (the loop finds the device done; the replies are built), ``sent`` (the reply is on the socket).
 """
@@ -62,10 +62,10 @@ def install(engine_cls: type) -> None:
         return ok
     device_plane.Fetch.ready = fetch_ready
 
-    def batch_info(_svc, items):
-        rows = sum(int(req.msg.n) for _, req in items)
-        return {"B": rows, "path": "device" if any(req.fetch is not None for _, req in items) else "host"}
-    _around(service.DraftService, "start_batch", "batch", None, batch_info)
+    def prepare_info(_svc, _session, req):
+        return {"B": int(req.msg.n), "path": "device" if req.fetch is not None else "host"}
+    _around(service.DraftService, "prepare", "batch", "prepared", prepare_info)
+    _around(service.DraftService, "launch", "launch", None)
     _around(service.Batch, "finish", "finish", "replies")
     _around(engine_cls, "ingest", "engine_ingest", "engine_ingested")
     _around(engine_cls, "propose", "engine_launch", "engine_launched")

@@ -17,22 +17,16 @@ class SimulatedGraphs(GraphRunner):
         self.replayed: list[int] = []
         super().__init__(engine, max_batch)
 
-    def _record(self, batch, store):
-        out = self.engine.step(batch, store)
-        static = [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
+    def _record(self, step, rows):
+        static = step()
 
         def replay():
-            self.replayed.append(store[0].shape[0] if store is not None else 0)
-            new = self.engine.step(batch, store)
-            fresh = [t for t in (new if isinstance(new, tuple) else (new,)) if t is not None]
-            for s, f in zip(static, fresh, strict=True):
-                s.copy_(f)
-        return SimpleNamespace(replay=replay), out
+            self.replayed.append(rows)
+            static.copy_(step())
+        return SimpleNamespace(replay=replay), static
 
-    def _host(self, n, dtype, zero=True):
-        """A buffer not zeroed holds what its last user left: here ids far past the pool (NaN
-        for floats), so a step that read past what ``host_inputs`` writes would fail or differ."""
-        buf = super()._host(n, dtype, zero)
-        if not zero:
-            buf.fill_(float("nan") if dtype.is_floating_point else 2 ** 30)
-        return buf
+    def _host(self, n):
+        """A buffer not zeroed holds what its last user left: here 0x7FC00000 in every entry (an id
+        far past the pool; NaN as a float32 temperature), so a step that read past what ``run``
+        writes would fail or differ."""
+        return super()._host(n).fill_(0x7FC00000)

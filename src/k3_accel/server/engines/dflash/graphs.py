@@ -1,21 +1,20 @@
 """CUDA graphs of the propose step, one per (batch bucket, draft tokens, stored rows).
 
-A graph reads one static int32 input buffer (anchors, context lengths, block
-tables ``[bucket, width]``, padded: see :meth:`DFlashEngine.host_inputs`) and
-writes ``[bucket, k]`` draft ids. A decode step's context rows are stored in the same
-replay: a graph of ``rows`` > 0 first projects and stores up to ``rows`` waiting context
-rows (the engine's pending ingest: the accepted rows of each request), whose positions and
-slots follow the tables in the input buffer and whose hidden rows are in one device buffer
-shared by every graph; padding rows go to the cache's trash slot, which no table names.
-Per bucket ``b`` the row capacities are ``b``, ``2b``, ``4b`` .. up to ``b (k + 1)``
-rounded up to a power of two; more rows are stored eagerly first. An engine that samples
-(``caps.sampling``: DSpark) also reads each row's temperature (0: greedy, the draft is the argmax)
-and seed. A replay is one
-host-to-device copy from a pinned buffer, the replay, one device-to-host copy of the ids into pinned
-memory and an event after it: whoever needs the ids waits on that event, the
-step's only host synchronisation (the server reads its socket meanwhile). Graphs
-share one memory pool; those of the engine's ``graph_k`` are captured at start, largest
-bucket first, and any other on its first use, alone.
+A graph reads one static int32 input buffer (anchors, context lengths, block tables ``[bucket,
+width]``, padded: see :meth:`DFlashEngine.host_inputs`) and writes ``[bucket, k]`` draft ids (and
+their confidence) into one int32 output buffer. A decode step's context rows are stored in the same
+replay: a graph of ``rows`` > 0 first projects and stores up to ``rows`` waiting context rows (the
+engine's pending ingest: the accepted rows of each request), whose positions and slots follow the
+tables in the input buffer and whose hidden rows are in one device buffer shared by every graph;
+padding rows go to the cache's trash slot, which no table names. Per bucket ``b`` the row capacities
+are ``b``, ``2b``, ``4b`` .. up to ``b (k + 1)`` rounded up to a power of two; more rows are stored
+eagerly first. An engine that samples (``caps.sampling``: DSpark) also reads each row's temperature
+(0: greedy, the draft is the argmax) and seed, at the head of the same input buffer. A replay is one
+host-to-device copy from a pinned buffer, the replay, one device-to-host copy of its outputs into
+pinned memory and an event after it: whoever needs the ids waits on that event, the step's only host
+synchronisation (the server reads its socket meanwhile). Graphs share one memory pool; those of the
+engine's ``graph_k`` are captured at start, largest bucket first, and any other on its first use,
+alone.
 
 Every replay gets its own pinned buffers and event (PyTorch's caching host allocator hands a
 freed one out again only once its copies are done): the server launches one replay per group
@@ -43,12 +42,18 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor      # device int32 buffer the graph reads
-    tokens: torch.Tensor      # device [bucket, k] int64 the graph writes
-    confidence: torch.Tensor | None = None   # device [bucket, k] float32 (engines with confidence)
-    temperature: torch.Tensor | None = None  # device [bucket] float32 (engines that sample)
-    seeds: torch.Tensor | None = None        # device [bucket] int64
+    inputs: torch.Tensor      # device int32 buffer the graph reads (see GraphRunner._capture)
+    out: torch.Tensor         # device int32 buffer the graph writes: ids (int64 [bucket, k]) | confidence
+    bucket: int
+    k: int
     rows: int = 0             # context rows stored before drafting (0: none)
+    sampled: bool = False     # reads temperatures and seeds (engines that sample)
+    confident: bool = False   # writes confidence (float32 [bucket, k]) after the ids
+
+    @property
+    def head(self) -> int:
+        """int32 entries before the block inputs: seeds (int64) and temperatures (float32)."""
+        return 3 * self.bucket if self.sampled else 0
 
 
 class GraphRunner:
@@ -86,11 +91,9 @@ class GraphRunner:
         self.graphs.clear()
         self._size()
 
-    def _host(self, n: int, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
-        """A host buffer of this replay alone (pinned on CUDA); zeroed unless the replay's copy
-        overwrites all of it."""
-        make = torch.zeros if zero else torch.empty
-        return make(n, dtype=dtype, pin_memory=self.cuda)
+    def _host(self, n: int) -> torch.Tensor:
+        """An int32 host buffer of this replay alone (pinned on CUDA), not zeroed."""
+        return torch.empty(n, dtype=torch.int32, pin_memory=self.cuda)
 
     @torch.inference_mode()
     def capture(self, k: int) -> None:
@@ -101,34 +104,45 @@ class GraphRunner:
                 self._capture(bucket, k, rows)
 
     def _capture(self, bucket: int, k: int, rows: int) -> _Graph:
+        """One graph. Its int32 input buffer: ``[seeds (int64) | temperatures (float32)]`` (engines
+        that sample), the block inputs of :meth:`DFlashEngine.host_inputs`, then the stored rows'
+        positions and slots; its output buffer: the ids (int64), then their confidence (float32)."""
         eng = self.engine
-        base = bucket * (2 + self.width)
-        inputs = torch.zeros(base + 2 * rows, dtype=torch.int32, device=eng.device)
-        batch = eng.device_batch(inputs[:base], bucket, self.width, k)
-        if eng.caps.sampling:
-            batch.temperature = torch.zeros(bucket, dtype=torch.float32, device=eng.device)
-            batch.seeds = torch.zeros(bucket, dtype=torch.int64, device=eng.device)
+        g = _Graph(None, None, None, bucket, k, rows, sampled=eng.caps.sampling)
+        h, base = g.head, bucket * (2 + self.width)
+        g.inputs = inputs = torch.zeros(h + base + 2 * rows, dtype=torch.int32, device=eng.device)
+        batch = eng.device_batch(inputs[h:h + base], bucket, self.width, k)
+        if g.sampled:
+            batch.seeds = inputs[:2 * bucket].view(torch.int64)
+            batch.temperature = inputs[2 * bucket:h].view(torch.float32)
         store = None
         if rows:
-            inputs[base + rows:] = eng.cache.trash_slot
-            store = (inputs[base:base + rows], inputs[base + rows:], self.hidden[:rows])
-        graph, out = self._record(batch, store)
-        tokens, confidence = out if isinstance(out, tuple) else (out, None)
-        g = self.graphs[(bucket, k, rows)] = _Graph(graph, inputs, tokens, confidence, batch.temperature,
-                                                    batch.seeds, rows)
+            inputs[h + base + rows:] = eng.cache.trash_slot
+            store = (inputs[h + base:h + base + rows], inputs[h + base + rows:], self.hidden[:rows])
+
+        def step() -> torch.Tensor:
+            out = eng.step(batch, store)
+            ids, confidence = out if isinstance(out, tuple) else (out, None)
+            g.confident = confidence is not None
+            ids = ids.reshape(-1).view(torch.int32)
+            return ids if confidence is None else torch.cat([ids, confidence.reshape(-1).view(torch.int32)])
+
+        g.graph, g.out = self._record(step, rows)
+        self.graphs[(bucket, k, rows)] = g
         self.captured_k.add(k)
         return g
 
-    def _record(self, batch: Any, store: tuple | None) -> tuple[Any, Any]:
-        """The graph of ``engine.step(batch, store)`` (anything with ``replay()``) and its outputs."""
+    def _record(self, step: Any, rows: int) -> tuple[Any, torch.Tensor]:
+        """The graph of ``step()`` (anything with ``replay()``) and what it returns; ``rows``: the
+        context rows it stores."""
         eng = self.engine
         with eng._on_device():                     # warm up: Triton JIT, cuBLAS plans
-            eng.step(batch, store)
+            step()
         eng.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool, stream=eng.stream,
                               capture_error_mode="thread_local"):
-            out = eng.step(batch, store)
+            out = step()
         return graph, out
 
     def run(self, anchors: torch.Tensor, states: list[BlockTable], k: int, batch: Any = None
@@ -150,32 +164,30 @@ class GraphRunner:
             eng.flush()
             rows = 0
         g = self.graphs.get((bucket, k, rows)) or self._capture(bucket, k, rows)
-        base = bucket * (2 + self.width)
-        host_in = self._host(base + 2 * rows, torch.int32, zero=False)   # every entry read is written
-        eng.host_inputs(anchors, states, bucket, self.width, out=host_in.numpy()[:base])
+        h, base = g.head, bucket * (2 + self.width)
+        host = self._host(g.inputs.shape[0])      # every entry read is written
+        buf = host.numpy()
+        eng.host_inputs(anchors, states, bucket, self.width, out=buf[h:h + base])
+        if g.sampled:                              # padding rows: temperature 0 (greedy), seed 0
+            seeds, temperature = buf[:2 * bucket].view(np.int64), buf[2 * bucket:h].view(np.float32)
+            sampled = batch is not None and batch.temperature is not None
+            temperature[:r] = batch.temperature.numpy() if sampled else 0
+            seeds[:r] = batch.seeds.numpy() if sampled else 0
+            temperature[r:], seeds[r:] = 0, 0
         if rows:
-            self._take_rows(host_in.numpy()[base:].reshape(2, rows))
-        g.inputs.copy_(host_in, non_blocking=True)
-        if g.temperature is not None:              # padding rows: temperature 0, seed 0
-            temp, seeds = self._host(bucket, torch.float32), self._host(bucket, torch.int64)
-            if batch is not None and batch.temperature is not None:
-                temp[:r] = batch.temperature
-                seeds[:r] = batch.seeds
-            g.temperature.copy_(temp, non_blocking=True)
-            g.seeds.copy_(seeds, non_blocking=True)
+            self._take_rows(buf[h + base:].reshape(2, rows))
+        g.inputs.copy_(host, non_blocking=True)
         g.graph.replay()
-        out = self._host(bucket * k, torch.int64, zero=False).view(bucket, k)
-        out.copy_(g.tokens, non_blocking=True)
-        conf = None
-        if g.confidence is not None:
-            conf = self._host(bucket * k, torch.float32, zero=False).view(bucket, k)
-            conf.copy_(g.confidence, non_blocking=True)
-            conf = conf[:r]
+        out = self._host(g.out.shape[0])
+        out.copy_(g.out, non_blocking=True)
+        n = bucket * k
+        ids = out[:2 * n].view(torch.int64).view(bucket, k)
+        conf = out[2 * n:].view(torch.float32).view(bucket, k)[:r] if g.confident else None
         done = None
         if eng.stream is not None:
             done = torch.cuda.Event()
             done.record(eng.stream)
-        return out[:r], done, conf
+        return ids[:r], done, conf
 
     def _take_rows(self, index: np.ndarray) -> None:
         """The engine's waiting rows into this replay: positions and slots into ``index``
