@@ -17,6 +17,9 @@ on the device, bf16.
   launches) are not in the floor: they count against the engine (``markov_rereads_ms``: what reading
   ``markov_w2`` again at each later step costs at the copy bandwidth, for reference).
 
+* diagnosis, not the ratio (CUDA): ``graph_device_ms``, the replay alone on the device (replays queued
+  back to back), and ``replay_launch_ms``, the host's ``replay()`` call alone with the device idle.
+
 ``summary.ratio`` = the worst of greedy and sampled propose / floor over B in {1, 8, 32} at K=7,
 context 1024; goal 2.0. ``--smoke`` runs tiny shapes on any device (the CPU included).
 """
@@ -27,7 +30,9 @@ import datetime
 import json
 import math
 import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -68,6 +73,19 @@ def head_bytes(heads: DSparkHeads, tokens: int) -> int:
     w1 = heads.markov_w1
     return (heads.markov_w2.numel() * heads.markov_w2.element_size() + tokens * w1.shape[1] * w1.element_size()
             + heads.confidence_w.numel() * 4 + 4)
+
+
+def launch_seconds(graph, stream, iters: int) -> float:
+    """Median host time of the ``replay()`` call alone, the device idle before each: what launching
+    the graph costs the host (part of ``propose_ms`` minus ``graph_device_ms``)."""
+    times = []
+    for _ in range(iters):
+        stream.synchronize()
+        begin = time.perf_counter()
+        graph.replay()
+        times.append(time.perf_counter() - begin)
+    stream.synchronize()
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -129,6 +147,7 @@ def main() -> None:
                 if graph and cuda:
                     with torch.cuda.stream(engine.stream):
                         table[-1]["graph_device_ms"] = parts._events_ms(graph.graph.replay, iters)
+                        table[-1]["replay_launch_ms"] = 1e3 * launch_seconds(graph.graph, engine.stream, iters)
                 print(table[-1], flush=True)
                 if args.out:                   # what a run cut short by its time limit still leaves
                     Path(args.out + ".partial").write_text(json.dumps(table, indent=1) + "\n")
