@@ -48,12 +48,16 @@ class _Graph:
     k: int
     rows: int = 0             # context rows stored before drafting (0: none)
     sampled: bool = False     # reads temperatures and seeds (engines that sample)
-    confident: bool = False   # writes confidence (float32 [bucket, k]) after the ids
 
     @property
     def head(self) -> int:
         """int32 entries before the block inputs: seeds (int64) and temperatures (float32)."""
         return 3 * self.bucket if self.sampled else 0
+
+    @property
+    def confident(self) -> bool:
+        """Whether confidence (float32 ``[bucket, k]``) follows the ids in the output buffer."""
+        return self.out.shape[0] > 2 * self.bucket * self.k
 
 
 class GraphRunner:
@@ -123,7 +127,6 @@ class GraphRunner:
         def step() -> torch.Tensor:
             out = eng.step(batch, store)
             ids, confidence = out if isinstance(out, tuple) else (out, None)
-            g.confident = confidence is not None
             ids = ids.reshape(-1).view(torch.int32)
             return ids if confidence is None else torch.cat([ids, confidence.reshape(-1).view(torch.int32)])
 
