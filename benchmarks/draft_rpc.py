@@ -12,6 +12,11 @@ server and a raw pyzmq ping-pong of the same frames (without the hidden frame
 on the device path); ``--out`` writes ``summary.ratio`` = round trip / (engine
 + ping-pong), worst over B (device path when it ran). ``--merge FILE`` writes
 the results into a ``draft-step-*.json`` under ``client_round_trip``.
+
+``--busy-thread D`` measures each point again with a second Python thread in the client's
+process, busy a fraction D of the time with pure Python and small torch ops, as vLLM's step
+thread is beside the draft thread (the GIL is shared): ``busy`` in each result; the summary
+counts only the runs without it.
 """
 from __future__ import annotations
 
@@ -111,7 +116,27 @@ def start_server(quick: bool, profile: str | None = None, trace: str | None = No
     return proc, port, int(line[1])
 
 
-def measure(port: int, width: int, path: str, b: int, k: int, context: int, iters: int) -> dict:
+class BusyThread(threading.Thread):
+    """A second Python thread in the client's process, like vLLM's step thread beside the draft
+    thread: pure Python and small torch ops for ``duty`` of every millisecond, asleep the rest."""
+
+    def __init__(self, duty: float, device: torch.device):
+        super().__init__(daemon=True)
+        self.duty, self.device, self.halt, self.ops = duty, device, threading.Event(), 0
+
+    def run(self) -> None:
+        x = torch.zeros(64, device=self.device)
+        while not self.halt.is_set():
+            until = time.perf_counter() + self.duty * 1e-3
+            while time.perf_counter() < until:
+                x.add_(1.0)                                  # the op releases and retakes the GIL
+                sum(i * i for i in range(40))                # Python holding it
+                self.ops += 1
+            time.sleep((1.0 - self.duty) * 1e-3)
+
+
+def measure(port: int, width: int, path: str, b: int, k: int, context: int, iters: int,
+            busy: float = 0.0) -> dict:
     """Decode steps of B requests over one path (``host``: hidden rows through pinned memory and
     the socket; ``device``: GPU to GPU through the device plane, control on the socket)."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -135,6 +160,9 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
     client.flush()
     times, server, engine = [], [], []
     phases = client.telemetry._total
+    rival = BusyThread(busy, dev) if busy > 0 else None
+    if rival is not None:
+        rival.start()
     for i in range(iters + 10):
         if i == 10:
             phases.clear()                 # the client's phases: decode steps only
@@ -152,6 +180,9 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
         server.append(sum(now.values()) - sum(served.values()))
         engine.append(now["server.engine"] - served["server.engine"])
         assert out.drafts.shape == (b, k) and not client.is_disabled(ids[0])
+    if rival is not None:
+        rival.halt.set()
+        rival.join()
     stats = client.stats()
     client.close()
     times, server, engine = times[10:], server[10:], engine[10:]
@@ -164,7 +195,7 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
     pp = ping_pong([len(bytes(f)) for f in req], [len(bytes(f)) for f in rep], iters + 10, "tcp")[10:]
     rt, eng, raw = statistics.median(times), statistics.median(engine), statistics.median(pp)
     return {"path": path, "path_used": stats["device_plane"]["path"], "path_reason": used["reason"],
-            "B": b, "K": k, "context": context, "hidden_width": width,
+            "busy": busy, "B": b, "K": k, "context": context, "hidden_width": width,
             "round_trip_ms": rt * 1e3,
             "round_trip_p90_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
             "server_store_plus_engine_ms": statistics.median(server) * 1e3,
@@ -175,11 +206,14 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
 
 
 def run(batches: list[int], k: int, context: int, iters: int, quick: bool, paths: list[str],
-        profile: str | None = None, trace: str | None = None, cprofile: str | None = None) -> list[dict]:
-    """Every (path, B) against one server process (its engine built once)."""
+        profile: str | None = None, trace: str | None = None, cprofile: str | None = None,
+        busy: float = 0.0) -> list[dict]:
+    """Every (path, B) against one server process (its engine built once); with ``busy``, each point
+    again beside a busy Python thread, alternating."""
     proc, port, width = start_server(quick, profile, trace, cprofile)
     try:
-        return [measure(port, width, path, b, k, context, iters) for path in paths for b in batches]
+        return [measure(port, width, path, b, k, context, iters, d) for path in paths for b in batches
+                for d in ((0.0, busy) if busy > 0 else (0.0,))]
     finally:
         proc.terminate()
         proc.wait(30)
@@ -188,6 +222,7 @@ def run(batches: list[int], k: int, context: int, iters: int, quick: bool, paths
 def summary(results: list[dict]) -> dict:
     """The issue's ratio: round trip / (engine propose + raw ping-pong of the same frames), worst over B,
     on the device path when it ran (else the host path)."""
+    results = [r for r in results if not r["busy"]]
     device = [r for r in results if r["path_used"] == "device"]
     chosen = device or [r for r in results if r["path"] == "host"]
     worst = max(chosen, key=lambda r: r["ratio_round_trip_over_engine_plus_ping_pong"] or 0.0)
@@ -217,6 +252,8 @@ def main() -> None:
                                            "(median ms between steps, per path and B; server_trace.py) to this file")
     ap.add_argument("--cprofile-server", help="write the server's cProfile tables (host time by Python function) "
                                               "to this file")
+    ap.add_argument("--busy-thread", type=float, default=0.0, metavar="D",
+                    help="also measure each point beside a Python thread busy a fraction D (0-1) of the time")
     ap.add_argument("--merge", help="a draft-step JSON to write the results into (client_round_trip)")
     ap.add_argument("--out", help="write the JSON document (summary + results) here, e.g. draft-rpc-h200.json")
     args = ap.parse_args()
@@ -227,8 +264,10 @@ def main() -> None:
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
     if any(x not in ("host", "device") for x in paths):
         ap.error(f"--paths {args.paths!r}: host and/or device")
+    if not 0.0 <= args.busy_thread < 1.0:
+        ap.error(f"--busy-thread {args.busy_thread}: a fraction in [0, 1)")
     results = run(batches, args.k, args.context, args.iters, args.quick, paths, args.profile_server,
-                  args.trace_server, args.cprofile_server)
+                  args.trace_server, args.cprofile_server, args.busy_thread)
     doc = {"summary": summary(results), "results": results}
     text = json.dumps(doc, indent=2)
     print(text)
