@@ -16,7 +16,8 @@ the results into a ``draft-step-*.json`` under ``client_round_trip``.
 ``--busy-thread D`` measures each point again with a second Python thread in the client's
 process, busy a fraction D of the time with pure Python and small torch ops, as vLLM's step
 thread is beside the draft thread (the GIL is shared): ``busy`` in each result; the summary
-counts only the runs without it.
+counts only the runs without it. ``--switch-interval S`` adds a third run of each point beside the
+busy thread with ``sys.setswitchinterval(S)`` in the client's process (``switch_interval_s``).
 """
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def start_server(quick: bool, profile: str | None = None, trace: str | None = No
 
 class BusyThread(threading.Thread):
     """A second Python thread in the client's process, like vLLM's step thread beside the draft
-    thread: pure Python and small torch ops for ``duty`` of every millisecond, asleep the rest."""
+    thread: stretches of pure Python (~0.1 ms each, like a scheduler pass) between small torch ops,
+    for ``duty`` of every millisecond, asleep the rest."""
 
     def __init__(self, duty: float, device: torch.device):
         super().__init__(daemon=True)
@@ -130,13 +132,13 @@ class BusyThread(threading.Thread):
             until = time.perf_counter() + self.duty * 1e-3
             while time.perf_counter() < until:
                 x.add_(1.0)                                  # the op releases and retakes the GIL
-                sum(i * i for i in range(40))                # Python holding it
+                sum(i * i for i in range(2000))              # Python holding it
                 self.ops += 1
             time.sleep((1.0 - self.duty) * 1e-3)
 
 
 def measure(port: int, width: int, path: str, b: int, k: int, context: int, iters: int,
-            busy: float = 0.0) -> dict:
+            busy: float = 0.0, switch: float | None = None) -> dict:
     """Decode steps of B requests over one path (``host``: hidden rows through pinned memory and
     the socket; ``device``: GPU to GPU through the device plane, control on the socket)."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -161,6 +163,9 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
     times, server, engine = [], [], []
     phases = client.telemetry._total
     rival = BusyThread(busy, dev) if busy > 0 else None
+    default_switch = sys.getswitchinterval()
+    if switch is not None:
+        sys.setswitchinterval(switch)
     if rival is not None:
         rival.start()
     for i in range(iters + 10):
@@ -183,6 +188,7 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
     if rival is not None:
         rival.halt.set()
         rival.join()
+    sys.setswitchinterval(default_switch)
     stats = client.stats()
     client.close()
     times, server, engine = times[10:], server[10:], engine[10:]
@@ -195,7 +201,7 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
     pp = ping_pong([len(bytes(f)) for f in req], [len(bytes(f)) for f in rep], iters + 10, "tcp")[10:]
     rt, eng, raw = statistics.median(times), statistics.median(engine), statistics.median(pp)
     return {"path": path, "path_used": stats["device_plane"]["path"], "path_reason": used["reason"],
-            "busy": busy, "B": b, "K": k, "context": context, "hidden_width": width,
+            "busy": busy, "switch_interval_s": sys.getswitchinterval() if switch is None else switch, "B": b, "K": k, "context": context, "hidden_width": width,
             "round_trip_ms": rt * 1e3,
             "round_trip_p90_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
             "server_store_plus_engine_ms": statistics.median(server) * 1e3,
@@ -207,13 +213,14 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
 
 def run(batches: list[int], k: int, context: int, iters: int, quick: bool, paths: list[str],
         profile: str | None = None, trace: str | None = None, cprofile: str | None = None,
-        busy: float = 0.0) -> list[dict]:
+        busy: float = 0.0, switch: float | None = None) -> list[dict]:
     """Every (path, B) against one server process (its engine built once); with ``busy``, each point
-    again beside a busy Python thread, alternating."""
+    again beside a busy Python thread (and with ``switch``, once more at that switch interval)."""
+    runs = [(0.0, None)] + ([(busy, None)] if busy > 0 else []) + ([(busy, switch)] if busy > 0 and switch else [])
     proc, port, width = start_server(quick, profile, trace, cprofile)
     try:
-        return [measure(port, width, path, b, k, context, iters, d) for path in paths for b in batches
-                for d in ((0.0, busy) if busy > 0 else (0.0,))]
+        return [measure(port, width, path, b, k, context, iters, d, sw) for path in paths for b in batches
+                for d, sw in runs]
     finally:
         proc.terminate()
         proc.wait(30)
@@ -254,6 +261,8 @@ def main() -> None:
                                               "to this file")
     ap.add_argument("--busy-thread", type=float, default=0.0, metavar="D",
                     help="also measure each point beside a Python thread busy a fraction D (0-1) of the time")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                    help="with --busy-thread: once more with sys.setswitchinterval(S) in the client")
     ap.add_argument("--merge", help="a draft-step JSON to write the results into (client_round_trip)")
     ap.add_argument("--out", help="write the JSON document (summary + results) here, e.g. draft-rpc-h200.json")
     args = ap.parse_args()
@@ -267,7 +276,7 @@ def main() -> None:
     if not 0.0 <= args.busy_thread < 1.0:
         ap.error(f"--busy-thread {args.busy_thread}: a fraction in [0, 1)")
     results = run(batches, args.k, args.context, args.iters, args.quick, paths, args.profile_server,
-                  args.trace_server, args.cprofile_server, args.busy_thread)
+                  args.trace_server, args.cprofile_server, args.busy_thread, args.switch_interval)
     doc = {"summary": summary(results), "results": results}
     text = json.dumps(doc, indent=2)
     print(text)
