@@ -116,6 +116,26 @@ def test_total_message_size_limit():
     assert e.code is ErrorCode.TOO_LARGE and e.seq == 5 and "1024" in e.message
 
 
+def test_a_message_of_exactly_the_advertised_limit_is_accepted():
+    """``max_message_bytes`` is the most a message may hold: a client that fills a message up to it
+    is served; one byte more is TOO_LARGE."""
+    tokens = np.arange(100, dtype=np.int64)
+    frames = _bytes(p.encode_request(6, p.Ingest(1, 100), meta([0], [0], [100]), tokens.data))
+    total = sum(len(f) for f in frames)
+    assert p.decode_request(frames, max_bytes=total).tokens.tolist() == tokens.tolist()
+    e = _raise(frames, max_bytes=total - 1)
+    assert e.code is ErrorCode.TOO_LARGE and e.seq == 6
+
+
+def test_an_attach_whose_slots_hold_another_dtype_than_it_declares_is_refused():
+    """The server reads a slot as the attach's dtype: a ring of another dtype would be read as garbage."""
+    good = MESSAGES["attach"][0]
+    assert p.decode_request(_bytes(p.encode_request(1, good))).msg == good
+    other = msgspec.structs.replace(good, slots=[msgspec.structs.replace(t, dtype="float16") for t in good.slots])
+    e = _raise(_bytes(p.encode_request(3, other)))
+    assert e.code is ErrorCode.BAD_FIELD and e.seq == 3
+
+
 def test_bool_is_not_an_int_and_the_field_is_named():
     e = _raise([_header(2, 1, ["propose", True, 0, 0])])
     assert e.code is ErrorCode.BAD_FIELD and e.seq == 1 and "propose.k" in e.message
@@ -149,6 +169,10 @@ def test_bad_messages_get_typed_codes_and_keep_the_seq(msg, code):
     ([_header(2, 1, ["ingest", 1, 1, "float64", 2]), bytes(meta([0], [0], [1])), b"\0" * 8, b"\0" * 16],
      ErrorCode.BAD_FIELD),
     ([_header(2, 1, ["ingest", -1, 0]), b"", b""], ErrorCode.BAD_FIELD),
+    ([_header(2, 1, ["ingest", 1, -1]), bytes(meta([0], [0], [0])), b""], ErrorCode.BAD_FIELD),
+    ([_header(2, 1, ["ingest", 1, 0, "", -1]), bytes(meta([0], [0], [0])), b""], ErrorCode.BAD_FIELD),
+    ([_header(2, 1, ["ingest", 1, 1, "bfloat16", -1]), bytes(meta([0], [0], [1])), bytes(ints([1])), b""],
+     ErrorCode.BAD_FIELD),
     ([_header(2, 1, ["reconnect", 0, 3])], ErrorCode.FRAME_MISMATCH),
     ([_header(2, 1, ["reconnect", 0, 3]), b"\0" * 16], ErrorCode.FRAME_MISMATCH),
 ])

@@ -85,6 +85,22 @@ def test_a_session_key_must_be_a_secret(server):
         w.close()
 
 
+@pytest.mark.parametrize("length", [16, 128])
+def test_every_key_length_the_client_allows_opens_a_session(server, length):
+    """ClientSettings takes a session key of 16..128 characters: the server opens each of them."""
+    key = "k" * (length - 3) + f"{length:03d}"
+    from k3_accel.transport.api import ClientSettings
+    assert ClientSettings(address=server.address, session=key).session == key
+    w = Wire(server.address, session=key)
+    try:
+        assert w.caps.engine == "ngram"
+        w.ingest([(0, 0, HISTORY)]).raise_for_error()
+        assert drafts(w.propose(4, [(0, len(HISTORY), [], 7)])) == [lookup(HISTORY + [7])]
+    finally:
+        w.call(p.Bye())
+        w.close()
+
+
 def test_ingest_then_propose_gives_prompt_lookup(wire):
     before = stats(wire)
     assert wire.ingest([(0, 0, HISTORY[:6])]).raise_for_error().failures == []

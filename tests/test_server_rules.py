@@ -216,3 +216,32 @@ def test_a_slow_propose_says_where_its_time_went(monkeypatch, caplog):
     assert "propose (seq 1) took" in msg and "rows stored in" in msg and "graphs_captured" in msg
     engine_ms = float(msg.split("engine ")[1].split(" ms")[0])
     assert engine_ms >= 2 * service_module.SLOW_MESSAGE_S * 1e3 * 0.99   # the pause is in the engine's phase
+
+
+def test_an_engine_failure_fails_only_its_groups_messages_and_the_server_goes_on(monkeypatch):
+    """Proposes of one round run as one engine call per (k, logits, topk); an engine bug in one
+    call is an INTERNAL error for that call's messages only: another session's message of the same
+    round, in another call, gets its drafts, and the failed session's stored context is intact."""
+    from helpers.oracles import ngram_lookup
+    from helpers.wire import _rows
+    svc = LocalService()
+    a, b = svc.session(A), svc.session(B)
+    hist_a, hist_b = [1, 2, 3, 1, 2], [4, 5, 6, 4, 5]
+    assert codes(svc.ingest(a, [(0, 0, hist_a)])) == {} and codes(svc.ingest(b, [(0, 0, hist_b)])) == {}
+    propose = svc.engine.propose
+
+    def broken_at_k2(batch):                           # a planted engine bug, for k = 2 only
+        if batch.k == 2:
+            raise RuntimeError("planted engine bug")
+        return propose(batch)
+    monkeypatch.setattr(svc.engine, "propose", broken_at_k2)
+    batch = [(b, svc.request(*_rows(p.Propose, [(0, 5, [], 6)], None, k=3))),      # launched first
+             (a, svc.request(*_rows(p.Propose, [(0, 5, [], 3)], None, k=2)))]      # its group fails
+    theirs, mine = svc.service.propose_batch(batch)
+    assert not mine.ok and mine.error[0] == "INTERNAL" and "planted engine bug" in mine.error[1]
+    assert theirs.ok and codes(theirs) == {}
+    assert theirs.tensors["drafts"].tolist() == [ngram_lookup(hist_b + [6], 3)]
+    monkeypatch.setattr(svc.engine, "propose", propose)
+    again = svc.propose(a, 2, [(0, 5, [], 3)])                 # the failed session drafts from what it stored
+    assert codes(again) == {} and again.tensors["drafts"].tolist() == [ngram_lookup(hist_a + [3], 2)]
+    svc.check_pool()

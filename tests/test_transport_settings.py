@@ -83,6 +83,11 @@ def good_input(**kw) -> StepInput:
     ({"hidden": torch.zeros(2, 8, dtype=torch.bfloat16)}, "shape"),
     ({"req_ids": ["a", "a"]}, "duplicates"),
     ({"num_accepted": [1]}, "num_accepted"),
+    ({"num_verified": [1]}, "num_verified"),
+    ({"num_verified": [1, 1, 1]}, "num_verified"),
+    ({"temperature": [0.5, 0.0], "seeds": [1]}, "seeds"),
+    ({"temperature": [0.5], "seeds": [1, 2]}, "seeds"),
+    ({"temperature": [0.5, 0.0]}, "seeds"),
 ])
 def test_inconsistent_step_input_names_the_field(kw, words):
     settings = ClientSettings(address="tcp://127.0.0.1:1", max_rows=16, context_width=8)
@@ -94,6 +99,13 @@ def test_inconsistent_step_input_names_the_field(kw, words):
 def test_too_many_rows_for_the_ring():
     with pytest.raises(StepInputError, match="max_rows"):
         good_input().validate(ClientSettings(address="tcp://127.0.0.1:1", max_rows=2))
+
+
+def test_a_step_of_exactly_max_rows_rows_is_accepted():
+    """max_rows is the target's max batched tokens: a full step has exactly that many rows."""
+    good_input().validate(ClientSettings(address="tcp://127.0.0.1:1", max_rows=3))     # 2 + 1 rows
+    good_input(temperature=[0.5, 0.0], seeds=[1, 2], num_accepted=[0, 1], num_verified=[1, 1]).validate(
+        ClientSettings(address="tcp://127.0.0.1:1", max_rows=3))
 
 
 def test_timing_log_every_n_steps(caplog):
