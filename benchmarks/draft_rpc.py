@@ -124,7 +124,7 @@ class BusyThread(threading.Thread):
 
     def __init__(self, duty: float, device: torch.device):
         super().__init__(daemon=True)
-        self.duty, self.device, self.halt, self.ops = duty, device, threading.Event(), 0
+        self.duty, self.device, self.halt = duty, device, threading.Event()
 
     def run(self) -> None:
         x = torch.zeros(64, device=self.device)
@@ -133,7 +133,6 @@ class BusyThread(threading.Thread):
             while time.perf_counter() < until:
                 x.add_(1.0)                                  # the op releases and retakes the GIL
                 sum(i * i for i in range(2000))              # Python holding it
-                self.ops += 1
             time.sleep((1.0 - self.duty) * 1e-3)
 
 
@@ -168,27 +167,29 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
         sys.setswitchinterval(switch)
     if rival is not None:
         rival.start()
-    for i in range(iters + 10):
-        if i == 10:
-            phases.clear()                 # the client's phases: decode steps only
-        pos = context + i
-        inp = StepInput(ids, [1] * b, torch.full((b,), pos, device=dev), torch.randint(0, 1000, (b,), device=dev),
-                        [True] * b, torch.randint(0, 1000, (b,), device=dev), torch.full((b,), pos + 1, device=dev),
-                        k=k, hidden=torch.randn(b, width, device=dev, dtype=dtype))
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        served = {n: phases[n].total if n in phases else 0.0 for n in ("server.store", "server.engine")}
-        t0 = time.perf_counter()
-        out = client.step(inp)
-        times.append(time.perf_counter() - t0)
-        now = {n: phases[n].total if n in phases else 0.0 for n in ("server.store", "server.engine")}
-        server.append(sum(now.values()) - sum(served.values()))
-        engine.append(now["server.engine"] - served["server.engine"])
-        assert out.drafts.shape == (b, k) and not client.is_disabled(ids[0])
-    if rival is not None:
-        rival.halt.set()
-        rival.join()
-    sys.setswitchinterval(default_switch)
+    try:
+        for i in range(iters + 10):
+            if i == 10:
+                phases.clear()                 # the client's phases: decode steps only
+            pos = context + i
+            inp = StepInput(ids, [1] * b, torch.full((b,), pos, device=dev), torch.randint(0, 1000, (b,), device=dev),
+                            [True] * b, torch.randint(0, 1000, (b,), device=dev), torch.full((b,), pos + 1, device=dev),
+                            k=k, hidden=torch.randn(b, width, device=dev, dtype=dtype))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            served = {n: phases[n].total if n in phases else 0.0 for n in ("server.store", "server.engine")}
+            t0 = time.perf_counter()
+            out = client.step(inp)
+            times.append(time.perf_counter() - t0)
+            now = {n: phases[n].total if n in phases else 0.0 for n in ("server.store", "server.engine")}
+            server.append(sum(now.values()) - sum(served.values()))
+            engine.append(now["server.engine"] - served["server.engine"])
+            assert out.drafts.shape == (b, k) and not client.is_disabled(ids[0])
+    finally:                               # also when a step fails: no rival left running, the interval back
+        if rival is not None:
+            rival.halt.set()
+            rival.join()
+        sys.setswitchinterval(default_switch)
     stats = client.stats()
     client.close()
     times, server, engine = times[10:], server[10:], engine[10:]
@@ -201,7 +202,8 @@ def measure(port: int, width: int, path: str, b: int, k: int, context: int, iter
     pp = ping_pong([len(bytes(f)) for f in req], [len(bytes(f)) for f in rep], iters + 10, "tcp")[10:]
     rt, eng, raw = statistics.median(times), statistics.median(engine), statistics.median(pp)
     return {"path": path, "path_used": stats["device_plane"]["path"], "path_reason": used["reason"],
-            "busy": busy, "switch_interval_s": sys.getswitchinterval() if switch is None else switch, "B": b, "K": k, "context": context, "hidden_width": width,
+            "busy": busy, "switch_interval_s": default_switch if switch is None else switch,
+            "B": b, "K": k, "context": context, "hidden_width": width,
             "round_trip_ms": rt * 1e3,
             "round_trip_p90_ms": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
             "server_store_plus_engine_ms": statistics.median(server) * 1e3,
