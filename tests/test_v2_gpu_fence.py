@@ -53,6 +53,34 @@ def test_the_stream_waits_for_the_host_word_and_the_host_does_not():
     torch.cuda.synchronize()
 
 
+def test_a_host_thread_waits_on_the_gpu_fence_until_signal_or_close():
+    """The step thread's yield to the draft thread (``draft_priority``) waits on the real fence."""
+    from k3_accel.vllm.spec_decode.fence import StreamFence
+    from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
+
+    fence = StreamFence(torch.device("cuda"))
+    assert not fence.wait(1, timeout=0.05)
+    seen: list = []
+    waiter = threading.Thread(target=lambda: seen.append(fence.wait(2, timeout=60)), daemon=True)
+    waiter.start()
+    fence.signal(1)
+    waiter.join(0.3)
+    assert waiter.is_alive()                      # 1 < 2: still waiting
+    fence.signal(2)
+    waiter.join(30)
+    assert seen == [True]
+    pipe = DraftPipeline(types.SimpleNamespace(start=lambda s: None, close=lambda: None), StreamFence(
+        torch.device("cuda")), 4, 3, lambda kind, what: None, deadline_s=60, priority=True)
+    assert pipe.priority                          # a fence the GPU waits on: the step thread yields
+    waiter = threading.Thread(target=lambda: seen.append(pipe.yield_to_drafts(5)), daemon=True)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()
+    pipe.close(5)                                 # releases the fence for good
+    waiter.join(30)
+    assert not waiter.is_alive() and pipe.fence.value() >= 4
+
+
 def _batch(device, prompts: dict[str, list[int]]):
     """An InputBatch stand-in: every request's whole prompt as one proposing chunk."""
     ids = list(prompts)

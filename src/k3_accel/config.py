@@ -117,6 +117,8 @@ class K3Config:
     adaptive_probe_interval: int = 32         # while speculation is off, a probe every this many steps
     adaptive_gate: str = "auto"               # V2: while speculation is off the scheduler schedules plain
                                               # decodes; auto: with vLLM's adaptive verification only
+    draft_priority: bool = True               # V2: vLLM's step thread waits for the previous step's drafts
+                                              # before it prepares the next step (the GIL goes to the draft thread)
     capture_dir: str | None = None
     timing_log_interval: int = 0              # 0 = no periodic timing log
     dma_min_bytes: DmaThreshold = dataclasses.field(default_factory=lambda: parse_dma_min_bytes(None))
@@ -152,6 +154,7 @@ _SETTINGS = (
     _Setting("adaptive_min_k", "VLLM_K3_DRAFT_ADAPTIVE_MIN_K", lambda key: _positive_int(key, allow_zero=True)),
     _Setting("adaptive_probe_interval", "VLLM_K3_DRAFT_ADAPTIVE_PROBE_INTERVAL", _positive_int),
     _Setting("adaptive_gate", "VLLM_K3_DRAFT_ADAPTIVE_GATE", _auto_switch),
+    _Setting("draft_priority", "VLLM_K3_DRAFT_PRIORITY", _switch),
     _Setting("capture_dir", "VLLM_K3_DRAFT_CAPTURE_DIR", _optional_str),
     _Setting("timing_log_interval", "VLLM_K3_DRAFT_TIMING_LOG_INTERVAL",
              lambda key: _positive_int(key, allow_zero=True)),

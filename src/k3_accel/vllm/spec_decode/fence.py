@@ -13,7 +13,9 @@ to prepare it meanwhile (vLLM's async scheduling overlap survives).
 tests): there is no stream, so the step thread waits for the reply itself.
 
 Both are released for good by :meth:`close` (every pending and future wait
-passes), so a thread that dies or a shutdown can never hang the GPU.
+passes), so a thread that dies or a shutdown can never hang the GPU. Both also
+let a host thread wait for a value (:meth:`wait`): the V2 step thread yields to
+the draft thread with it (:meth:`~.pipeline.DraftPipeline.yield_to_drafts`).
 """
 from __future__ import annotations
 
@@ -97,6 +99,7 @@ class StreamFence:
                 raise FenceUnavailable("the driver has no cuStreamWaitValue64")
             self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
             self.device = device
+            self._cond = threading.Condition()
             self.enqueue(0, torch.cuda.current_stream(device))    # supported here? (already met: no wait)
 
     def enqueue(self, seq: int, stream: "torch.cuda.Stream") -> None:
@@ -106,8 +109,16 @@ class StreamFence:
 
     def signal(self, seq: int) -> None:
         # x86 stores are not reordered with earlier stores: the reply written before is visible first
-        if seq > self._word.value:
-            self._word.value = seq
+        with self._cond:
+            if seq > self._word.value:
+                self._word.value = seq
+            self._cond.notify_all()
+
+    def wait(self, seq: int, timeout: float | None = None) -> bool:
+        """Block this host thread until ``seq`` is signalled (or released); False at the timeout.
+        The GPU's waits never go through here."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._word.value >= seq, timeout)
 
     def value(self) -> int:
         """The word's value now (diagnosis)."""
@@ -115,7 +126,9 @@ class StreamFence:
 
     def close(self) -> None:
         """Release every wait, now and later (the word stays mapped: a stream may still read it)."""
-        self._word.value = _RELEASED
+        with self._cond:
+            self._word.value = _RELEASED
+            self._cond.notify_all()
 
 
 def make_fence(device: torch.device) -> HostFence | StreamFence:

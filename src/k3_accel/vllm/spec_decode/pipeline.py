@@ -57,8 +57,9 @@ class DraftPipeline(StepWatch):
 
     def __init__(self, client: Any, fence: Any, max_reqs: int, k: int, on_failure: Callable[[str, str], None],
                  start_wait_s: float = 1.0, controller: Any = None, stall_s: float | None = None,
-                 deadline_s: float | None = None, gate: Any = None):
+                 deadline_s: float | None = None, gate: Any = None, priority: bool = False):
         self.client = client
+        self.priority = priority and fence.on_device    # see yield_to_drafts
         self.controller = controller
         self.gate = gate                               # the scheduler's draft slots follow the controller (.gate)
         self.off_rows = OffRows(getattr(getattr(client, "settings", None), "max_rows", 8192))
@@ -105,6 +106,27 @@ class DraftPipeline(StepWatch):
                 self._wake.notify()
         self._jobs.put((lambda client: self._step(launch, seq, held), None))
         return seq
+
+    def yield_to_drafts(self, seq: int) -> float:
+        """Step thread, right after it submitted proposing step ``seq``: wait (GIL released) until
+        the step before it has its drafts, at most ``deadline_s``; the seconds waited.
+
+        The draft thread works on step ``seq - 1`` while vLLM's step thread would prepare the step
+        after ``seq`` (its output processing, scheduling, ``execute_model``), milliseconds of Python
+        that the GPU needs only once step ``seq``'s forward, queued already, is done. Sharing the GIL,
+        both went at half speed, and the draft thread's half is the one the GPU waits for (its fence).
+        Waiting here leaves that work for after the drafts, still ahead of the GPU while the step
+        thread's Python per step is shorter than the forward. ``priority`` off (``draft_priority``),
+        a fence the host waits on anyway, or the first step: no wait."""
+        if not self.priority or seq <= 1 or self.fence.value() >= seq - 1:
+            return 0.0
+        start = time.perf_counter()
+        self.fence.wait(seq - 1, self.deadline_s if self.deadline_s is not None else 0.1)
+        waited = time.perf_counter() - start
+        telemetry = getattr(self.client, "telemetry", None)
+        if telemetry is not None:
+            telemetry.add("v2.yield", waited)
+        return waited
 
     def count_held(self, facts: Any, at: float) -> None:
         """A step the step thread held (:mod:`.v2_held`): the controller counts it, in step order,

@@ -196,7 +196,8 @@ class RemoteDraftSession:
             if ring:
                 settings, self.ring = launch_ring(settings, self.facts)
             self.settings = settings
-            controller = make_controller(from_vllm(vllm_config), self.facts)
+            config = from_vllm(vllm_config)
+            controller = make_controller(config, self.facts)
             self.pipeline = DraftPipeline(DraftClient(settings, self.ring), make_fence(device), self.facts.max_num_seqs,
                                           self.facts.num_speculative_tokens, self._thread_failure,
                                           controller=controller,
@@ -204,7 +205,8 @@ class RemoteDraftSession:
                                           # past the longest a healthy step can take (its sender, ring and
                                           # device-slot waits, each up to the timeout); the GPU has the deadline
                                           stall_s=4 * settings.timeout_s + 5.0,
-                                          deadline_s=settings.propose_timeout_s + DEADLINE_MARGIN_S)
+                                          deadline_s=settings.propose_timeout_s + DEADLINE_MARGIN_S,
+                                          priority=config.draft_priority)
             log.info("k3-accel: remote drafting via %s (method=%s, K=%d, context width %d)",
                      settings.address, self.facts.method, self.facts.num_speculative_tokens,
                      self.facts.context_width)

@@ -142,6 +142,7 @@ class RemoteSpeculatorMixin:
         self.pcp_manager = None
         self.core = RemoteDrafter(self.device)
         self.rows = self.slots = self.hold = None
+        self._yielded = 0.0                  # this propose's wait for the draft thread (draft_priority)
         self.disabled: str | None = None
         try:
             self.core.open(vllm_config, self.device, ring=self.device.type == "cuda")
@@ -195,9 +196,10 @@ class RemoteSpeculatorMixin:
                 num_speculative_tokens: int | None = None) -> torch.Tensor:
         """Drafts ``[num_reqs, num_speculative_tokens]`` int64 on the device.
 
-        Nothing here blocks the host on the GPU or on the server: the step's
-        context is launched device -> pinned host, or into the device plane's
-        ring (:mod:`.v2_launch`), the
+        Nothing here waits for this step's GPU work or its reply (with
+        ``draft_priority``, only for the step before's drafts: :meth:`~.pipeline.
+        DraftPipeline.yield_to_drafts`): the step's context is launched device ->
+        pinned host, or into the device plane's ring (:mod:`.v2_launch`), the
         draft thread (:mod:`.pipeline`) ships it, and when a request may draft
         the compute stream waits (:mod:`.fence`) for the reply, copied into
         the returned buffer. Where the server gave no draft the column holds
@@ -215,7 +217,7 @@ class RemoteSpeculatorMixin:
         if dummy_run or is_profile:          # profiling, graph capture: never the network
             self.core.counters["dummy_runs"] += 1
             return out
-        start = time.perf_counter()
+        start, self._yielded = time.perf_counter(), 0.0
         k = self.num_speculative_steps if num_speculative_tokens is None else \
             max(0, min(int(num_speculative_tokens), self.num_speculative_steps))
         req_ids = input_batch.req_ids[:r]
@@ -235,7 +237,7 @@ class RemoteSpeculatorMixin:
                             None if self._server_confidence is None else self._server_confidence[:r, :k])
             if self.fill_missing_drafts:
                 fill_missing(out[:, :k], input_batch, last_sampled, self.vocab_size)
-        self._host_time(time.perf_counter() - start)
+        self._host_time(time.perf_counter() - start - self._yielded)
         return out
 
     def _host_time(self, seconds: float) -> None:
@@ -335,6 +337,7 @@ class RemoteSpeculatorMixin:
                 cols.copy_(reply, non_blocking=True)
                 if conf is not None:
                     conf.copy_(session.pipeline.confidence_rows(seq, cols.shape[0], k), non_blocking=True)
+                self._yielded += session.pipeline.yield_to_drafts(seq)
             elif fence.wait(seq, session.settings.timeout_s + session.settings.propose_timeout_s):
                 cols.copy_(reply)
                 if conf is not None:
