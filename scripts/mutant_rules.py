@@ -1,7 +1,7 @@
 """The second mutant set (issue 25): bugs written from the rules a reviewer would fear, one module
 at a time, not from the tests. Each names the rule it breaks and the tests that must notice.
 ``python scripts/mutants.py --set rules`` runs them; ``--set all`` runs both sets. The sibling files
-``mutant_rules_{transport,vllm,server,tools,wave,s22,s22a,s22b}.py`` hold one more per module the list below left out
+``mutant_rules_{transport,vllm,server,tools,wave,s22,s22a,s22b,s23}.py`` hold one more per module the list below left out
 (``--set modules`` runs only those).
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from mutant import Mutant
 from mutant_rules_s22 import S22_MUTANTS
 from mutant_rules_s22a import S22A_MUTANTS
 from mutant_rules_s22b import S22B_MUTANTS
+from mutant_rules_s23 import S23_MUTANTS
 from mutant_rules_server import SERVER_MUTANTS
 from mutant_rules_tools import TOOLS_MUTANTS
 from mutant_rules_transport import TRANSPORT_MUTANTS
@@ -127,5 +128,5 @@ FIRST_RULE_MUTANTS = (
 )
 
 MODULE_MUTANTS = (TRANSPORT_MUTANTS + VLLM_MUTANTS + SERVER_MUTANTS + TOOLS_MUTANTS + WAVE_MUTANTS + S22_MUTANTS
-                  + S22A_MUTANTS + S22B_MUTANTS)
+                  + S22A_MUTANTS + S22B_MUTANTS + S23_MUTANTS)
 RULE_MUTANTS = FIRST_RULE_MUTANTS + MODULE_MUTANTS
