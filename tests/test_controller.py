@@ -494,3 +494,39 @@ def test_drafting_that_slows_the_forward_beyond_its_tokens_is_measured(overhead)
         assert drafting <= 0.25, drafting
     else:
         assert drafting >= 0.9, drafting
+
+
+def test_a_steps_requests_observed_at_once_count_as_observed_one_by_one():
+    """The acceptance table takes a step's requests in one pass: the estimates are those of
+    observing them one at a time (up to rounding), and a request's counts are its own, also in a
+    row a forgotten request used before."""
+    from k3_accel.vllm.spec_decode.controller import Acceptance
+    s = ControllerSettings(k_max=5)
+    rng = np.random.default_rng(7)
+    together, alone = Acceptance(s), Acceptance(s)
+    pool = [f"r{i}" for i in range(40)]
+    for step in range(60):
+        ids = list(rng.choice(pool, size=int(rng.integers(1, 33)), replace=False))
+        given = rng.integers(0, 6, size=len(ids))
+        accepted = rng.integers(-1, 7, size=len(ids))
+        together.decay()
+        alone.decay()
+        together.observe_many(ids, given.tolist(), accepted.tolist())
+        for rid, g, a in zip(ids, given.tolist(), accepted.tolist()):
+            alone.observe(rid, g, a)
+        if step % 7 == 6:
+            gone = list(rng.choice(pool, size=5, replace=False))
+            together.forget(gone)
+            alone.forget(gone)
+        np.testing.assert_allclose(together.tried, alone.tried, rtol=1e-12)
+        np.testing.assert_allclose(together.accepted, alone.accepted, rtol=1e-12)
+        np.testing.assert_allclose(together.rates(pool), alone.rates(pool), rtol=1e-12)
+    fresh = Acceptance(s)
+    fresh.observe("old", 5, 5)                       # every draft accepted
+    fresh.forget(["old"])
+    fresh.observe("new", 5, 0)                       # its row may be the old one's: it starts empty
+    only_new = Acceptance(s)
+    only_new.observe("new", 5, 0)
+    only_new.tried, only_new.accepted = fresh.tried.copy(), fresh.accepted.copy()
+    np.testing.assert_allclose(fresh.rates(["new", "old"]), only_new.rates(["new", "old"]), rtol=1e-12)
+    assert fresh.rates(["new"])[0, 0] < fresh.global_rate()[0]

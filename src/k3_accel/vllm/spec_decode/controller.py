@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from k3_accel.vllm.spec_decode.acceptance import Acceptance
 from k3_accel.vllm.spec_decode.step_cost import StepCost
 
 PROBE_BACKOFF = 4                   # while off, probes back off to at most this x probe_interval
@@ -70,63 +71,6 @@ class ControllerSettings:
             raise ValueError(f"adaptive_min_k={self.k_min} must be within 0..{self.k_max}")
         if self.probe_interval < 1:
             raise ValueError(f"adaptive_probe_interval={self.probe_interval} must be >= 1")
-
-
-class Acceptance:
-    """Per-position acceptance: global counts plus each request's own, both as (tried, accepted)."""
-
-    def __init__(self, s: ControllerSettings):
-        self.s = s
-        self.tried = np.zeros(s.k_max)
-        self.accepted = np.zeros(s.k_max)
-        self.requests: dict[str, np.ndarray] = {}        # id -> [2, K]: tried, accepted
-
-    def observe(self, req_id: str, given: int, accepted: int) -> None:
-        """``given`` drafts were verified, the first ``accepted`` of them were accepted."""
-        if given <= 0:
-            return
-        accepted = max(0, min(accepted, given))
-        tried = min(accepted + 1, given)                 # positions past the first rejection were not tried
-        row = self.requests.get(req_id)
-        if row is None:
-            row = self.requests[req_id] = np.zeros((2, self.s.k_max))
-        row *= self.s.decay
-        row[0, :tried] += 1
-        row[1, :accepted] += 1
-        self.tried[:tried] += 1
-        self.accepted[:accepted] += 1
-
-    def decay(self) -> None:
-        self.tried *= self.s.decay
-        self.accepted *= self.s.decay
-
-    def restart(self, tried: np.ndarray, accepted: np.ndarray) -> None:
-        """The global estimate from these counts alone: what came before describes a regime that ended."""
-        self.tried, self.accepted = tried.astype(float), accepted.astype(float)
-
-    def global_rate(self) -> np.ndarray:
-        w = self.s.prior_weight
-        return (self.accepted + w * self.s.prior) / (self.tried + w)
-
-    def survival(self, req_ids: Sequence[str]) -> np.ndarray:
-        """``[R, K]``: probability that a request's first j+1 drafts are all accepted."""
-        return np.cumprod(self.rates(req_ids), axis=1)
-
-    def rates(self, req_ids: Sequence[str]) -> np.ndarray:
-        """``[R, K]``: each request's acceptance at position j+1, given the drafts before it were accepted."""
-        g = self.global_rate()
-        w = self.s.request_weight
-        rows = [self.requests.get(rid) for rid in req_ids]
-        known = [n for n, row in enumerate(rows) if row is not None]
-        rates = np.broadcast_to(g, (len(req_ids), self.s.k_max)).copy()
-        if known:
-            counts = np.stack([rows[n] for n in known])                 # [R', 2, K]: tried, accepted
-            rates[known] = (counts[:, 1] + w * g) / (counts[:, 0] + w)
-        return rates
-
-    def forget(self, req_ids: Sequence[str]) -> None:
-        for rid in req_ids:
-            self.requests.pop(rid, None)
 
 
 class Controller:
@@ -252,16 +196,15 @@ class Controller:
         knows it: vLLM's adaptive verification may verify none of them, which is no rejection)."""
         verified = inp.num_verified
         seen = []
-        for n, (rid, s, c) in enumerate(zip(inp.req_ids, sampled, counts)):
+        for n, (rid, s, c) in enumerate(zip(inp.req_ids, sampled.tolist(), counts.tolist())):
             g = self.given.get(rid, 0) if s else 0
             if g and verified is not None:
                 g = min(g, int(verified[n]))
             if g:
-                seen.append((rid, g, int(c) - 1))
+                seen.append((rid, g, c - 1))
         if seen:                           # forget only when there is news (an off stretch keeps what it knew)
             self.acceptance.decay()
-        for rid, g, accepted in seen:
-            self.acceptance.observe(rid, g, accepted)
+            self.acceptance.observe_many([x[0] for x in seen], [x[1] for x in seen], [x[2] for x in seen])
         if seen and self._probing:
             self._judge_probe(seen, sampled, counts)
         # the forward that just ran (between the last step's end and this one's start) verified
