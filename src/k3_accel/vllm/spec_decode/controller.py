@@ -86,6 +86,7 @@ class Controller:
         self.counters: Counter[str] = Counter()
         self._off = 0                          # consecutive steps with speculation off
         self._probing = False                  # the last step's drafts were a probe's
+        self._rates: tuple[np.ndarray, np.ndarray] | None = None   # choose's (rows, [rows, K] rates)
         self.last_probe: dict[str, Any] | None = None   # what the last verified probe found (stats)
         self._interval = settings.probe_interval   # off steps before the next probe
         self._last_start: float | None = None
@@ -161,7 +162,13 @@ class Controller:
         slots by their running product and sizes the next step's budget from them: with all 1 every
         slot ties, and a budget the step before sized leaves arbitrary requests short, so they fall
         out of step. A probe sends none: its drafts must be verified to say anything."""
-        rates = self.acceptance.rates(req_ids)[:, :drafts.shape[1]]
+        if self._rates is not None and self._rates[1].shape[0] and len(req_ids) == len(drafts):
+            rows, known = self._rates              # choose's, for the requests that sample (no others drafts)
+            rates = np.ones((len(req_ids), self.s.k_max))
+            rates[rows] = known
+            rates = rates[:, :drafts.shape[1]]
+        else:
+            rates = self.acceptance.rates(req_ids)[:, :drafts.shape[1]]
         return torch.from_numpy(np.where(drafts >= 0, rates, -1.0).astype(np.float32))
 
     def _hinted(self, ks: np.ndarray, sampled: np.ndarray, counts: np.ndarray, out: Any) -> np.ndarray:
@@ -255,6 +262,7 @@ class Controller:
         idx = np.flatnonzero(sampled)
         ks = np.zeros(len(req_ids), dtype=np.int64)
         self._probing = False
+        self._rates = None
         if idx.size == 0 or k == 0:
             return ks
         if self.cost.n < 1.0:                   # no step measured yet: draft fully (and measure)
@@ -268,7 +276,9 @@ class Controller:
             self.counters["calibration_steps"] += 1
             self.k_hist[0] += int(idx.size)
             return ks
-        surv = self.acceptance.survival([req_ids[i] for i in idx])
+        rates = self.acceptance.rates([req_ids[i] for i in idx])
+        self._rates = (idx, rates)               # the step's drafts' confidence reads them again
+        surv = np.cumprod(rates, axis=1)
         rt = self.cost.round_trip or 0.0
         base = float(idx.size + counts[~sampled].sum())          # next step's tokens without drafts
         chosen = _best_prefix(surv, idx.size, self.cost.line(False), self.cost.line(True), base, rt, self.s.k_min)
