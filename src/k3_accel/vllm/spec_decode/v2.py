@@ -337,7 +337,6 @@ class RemoteSpeculatorMixin:
                 cols.copy_(reply, non_blocking=True)
                 if conf is not None:
                     conf.copy_(session.pipeline.confidence_rows(seq, cols.shape[0], k), non_blocking=True)
-                self._yielded += session.pipeline.yield_to_drafts(seq)
             elif fence.wait(seq, session.settings.timeout_s + session.settings.propose_timeout_s):
                 cols.copy_(reply)
                 if conf is not None:
@@ -345,6 +344,8 @@ class RemoteSpeculatorMixin:
         session.broadcast(cols)
         if conf is not None:
             session.broadcast(conf)
+        if seq is not None and session.pipeline.fence.on_device:      # all of this step is queued now
+            self._yielded += session.pipeline.yield_to_drafts(seq)
 
     def _controlled(self) -> bool:
         session = self.core.session
