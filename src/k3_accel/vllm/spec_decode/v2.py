@@ -196,16 +196,12 @@ class RemoteSpeculatorMixin:
                 num_speculative_tokens: int | None = None) -> torch.Tensor:
         """Drafts ``[num_reqs, num_speculative_tokens]`` int64 on the device.
 
-        Nothing here waits for this step's GPU work or its reply (with
-        ``draft_priority``, only for the step before's drafts: :meth:`~.pipeline.
-        DraftPipeline.yield_to_drafts`): the step's context is launched device ->
-        pinned host, or into the device plane's ring (:mod:`.v2_launch`), the
-        draft thread (:mod:`.pipeline`) ships it, and when a request may draft
-        the compute stream waits (:mod:`.fence`) for the reply, copied into
-        the returned buffer. Where the server gave no draft the column holds
-        the request's last sampled token (:func:`fill_missing`) and its
-        confidence is 0; columns past this step's K are -1. Dummy/profile
-        runs return -1 throughout (the runner discards them).
+        Nothing here waits for this step's GPU work or reply (``draft_priority``: only for the step
+        before's drafts, :meth:`~.pipeline.DraftPipeline.yield_to_drafts`): the context is launched
+        (:mod:`.v2_launch`), the draft thread (:mod:`.pipeline`) ships it, and the compute stream
+        waits (:mod:`.fence`) for the reply, copied into the returned buffer. No draft: the request's
+        last sampled token (:func:`fill_missing`), confidence 0; columns past this step's K are -1;
+        dummy/profile runs: -1 throughout (the runner discards them).
         """
         r = int(input_batch.num_reqs)
         self._sampling = (temperature, seeds) if self.sample_drafts else None
