@@ -502,6 +502,10 @@ def test_a_steps_requests_observed_at_once_count_as_observed_one_by_one():
     row a forgotten request used before."""
     from k3_accel.vllm.spec_decode.controller import Acceptance
     s = ControllerSettings(k_max=5)
+    rule = Acceptance(s)                             # the rule itself: tried up to the first rejection
+    rule.observe_many(["x", "y", "z", "w", "v", "u"], [5, 3, 2, 0, 4, 5], [2, 7, 0, 3, -1, 5])
+    assert rule.tried.tolist() == [5, 3, 3, 1, 1]        # positions tried: x 3, y 3 (all accepted), z 1, v 1,
+    assert rule.accepted.tolist() == [3, 3, 2, 1, 1]     # u 5, w none; accepted: x 2, y 3, u 5
     rng = np.random.default_rng(7)
     together, alone = Acceptance(s), Acceptance(s)
     pool = [f"r{i}" for i in range(40)]

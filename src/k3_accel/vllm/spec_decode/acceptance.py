@@ -27,24 +27,10 @@ class Acceptance:
 
     def observe(self, req_id: str, given: int, accepted: int) -> None:
         """``given`` drafts were verified, the first ``accepted`` of them were accepted."""
-        if given <= 0:
-            return
-        accepted = max(0, min(accepted, given))
-        tried = min(accepted + 1, given)                 # positions past the first rejection were not tried
-        i = self._row_of(req_id)                         # may grow the table: index it after
-        row = self._counts[i]
-        row *= self.s.decay
-        row[0, :tried] += 1
-        row[1, :accepted] += 1
-        self.tried[:tried] += 1
-        self.accepted[:accepted] += 1
+        self.observe_many([req_id], [given], [accepted])
 
     def observe_many(self, req_ids: Sequence[str], given: Sequence[int], accepted: Sequence[int]) -> None:
-        """:meth:`observe` for each request of a step (distinct ids): one by one for a few, else at once."""
-        if len(req_ids) <= 4:
-            for rid, g, a in zip(req_ids, given, accepted):
-                self.observe(rid, g, a)
-            return
+        """:meth:`observe` for each request of a step (distinct ids), at once."""
         g = np.asarray(given, dtype=np.int64)
         keep = g > 0
         if not keep.any():
