@@ -31,13 +31,14 @@ class Acceptance:
 
     def observe_many(self, req_ids: Sequence[str], given: Sequence[int], accepted: Sequence[int]) -> None:
         """:meth:`observe` for each request of a step (distinct ids), at once."""
-        g = np.asarray(given, dtype=np.int64)
-        keep = g > 0
-        if not keep.any():
-            return
-        ids = [rid for rid, k in zip(req_ids, keep.tolist()) if k]
-        g = g[keep]
-        a = np.clip(np.asarray(accepted, dtype=np.int64)[keep], 0, g)
+        g, a = np.array(given, dtype=np.int64), np.array(accepted, dtype=np.int64)
+        ids = req_ids
+        if not g.size or g.min() <= 0:                   # requests with nothing verified: nothing to learn
+            keep = g > 0
+            ids, g, a = [rid for rid, k in zip(req_ids, keep.tolist()) if k], g[keep], a[keep]
+            if not ids:
+                return
+        a = np.minimum(np.maximum(a, 0), g)
         tried = np.minimum(a + 1, g)                     # positions past the first rejection were not tried
         rows = np.fromiter((self._row_of(rid) for rid in ids), dtype=np.int64, count=len(ids))
         t_mask, a_mask = self._pos < tried[:, None], self._pos < a[:, None]

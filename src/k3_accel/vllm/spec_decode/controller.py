@@ -121,6 +121,7 @@ class Controller:
         sampled = np.asarray(inp.sampled, dtype=bool)
         counts = np.asarray(inp.counts, dtype=np.int64)
         self._learn(inp, sampled, counts, start)
+        self._rates = None                      # choose's, this step only
         ks = self.choose(inp.req_ids, sampled, counts, held) if inp.k > 0 or held else \
             np.zeros(len(counts), np.int64)
         ks = np.minimum(ks, inp.k)
@@ -162,7 +163,7 @@ class Controller:
         slots by their running product and sizes the next step's budget from them: with all 1 every
         slot ties, and a budget the step before sized leaves arbitrary requests short, so they fall
         out of step. A probe sends none: its drafts must be verified to say anything."""
-        if self._rates is not None and self._rates[1].shape[0] and len(req_ids) == len(drafts):
+        if self._rates is not None:
             rows, known = self._rates              # choose's, for the requests that sample (no others drafts)
             rates = np.ones((len(req_ids), self.s.k_max))
             rates[rows] = known
@@ -262,7 +263,6 @@ class Controller:
         idx = np.flatnonzero(sampled)
         ks = np.zeros(len(req_ids), dtype=np.int64)
         self._probing = False
-        self._rates = None
         if idx.size == 0 or k == 0:
             return ks
         if self.cost.n < 1.0:                   # no step measured yet: draft fully (and measure)

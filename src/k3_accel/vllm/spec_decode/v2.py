@@ -142,7 +142,6 @@ class RemoteSpeculatorMixin:
         self.pcp_manager = None
         self.core = RemoteDrafter(self.device)
         self.rows = self.slots = self.hold = None
-        self._yielded = 0.0                  # this propose's wait for the draft thread (draft_priority)
         self.disabled: str | None = None
         try:
             self.core.open(vllm_config, self.device, ring=self.device.type == "cuda")
@@ -213,7 +212,7 @@ class RemoteSpeculatorMixin:
         if dummy_run or is_profile:          # profiling, graph capture: never the network
             self.core.counters["dummy_runs"] += 1
             return out
-        start, self._yielded = time.perf_counter(), 0.0
+        start, waited = time.perf_counter(), 0.0
         k = self.num_speculative_steps if num_speculative_tokens is None else \
             max(0, min(int(num_speculative_tokens), self.num_speculative_steps))
         req_ids = input_batch.req_ids[:r]
@@ -223,8 +222,8 @@ class RemoteSpeculatorMixin:
             plan = self.core.admit(req_ids, skip_mask(input_batch, self.req_states),
                                    getattr(self.req_states, "req_id_to_index", None))
             if plan is not None and k > 0 and samples_host(input_batch, r)[plan[0]].any():
-                self._draft(plan, input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
-                            next_prefill_tokens, k, out[:, :k])
+                waited = self._draft(plan, input_batch, aux_hidden_states, num_sampled, num_rejected,
+                                     last_sampled, next_prefill_tokens, k, out[:, :k])
             elif plan is not None:          # K = 0 (the scheduler gate, vLLM's skip_drafts) or nobody samples:
                 self._ship(plan, input_batch, aux_hidden_states, num_sampled, num_rejected, last_sampled,
                            next_prefill_tokens, 0, held=self._controlled())   # a step the controller counts as off
@@ -233,7 +232,7 @@ class RemoteSpeculatorMixin:
                             None if self._server_confidence is None else self._server_confidence[:r, :k])
             if self.fill_missing_drafts:
                 fill_missing(out[:, :k], input_batch, last_sampled, self.vocab_size)
-        self._host_time(time.perf_counter() - start - self._yielded)
+        self._host_time(time.perf_counter() - start - waited)
         return out
 
     def _host_time(self, seconds: float) -> None:
@@ -313,8 +312,9 @@ class RemoteSpeculatorMixin:
             self.core.failures.record("step_input", "handing over the held steps")
 
     def _draft(self, plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
-               k: int, cols: torch.Tensor) -> None:
-        """Ship the step with a propose and put the drafts into ``cols`` (every rank)."""
+               k: int, cols: torch.Tensor) -> float:
+        """Ship the step with a propose and put the drafts into ``cols`` (every rank); the seconds the
+        step thread then yielded to the draft thread (:meth:`~.pipeline.DraftPipeline.yield_to_drafts`)."""
         session = self.core.session
         held = False
         if session.is_driver and session.pipeline.behind:
@@ -340,8 +340,7 @@ class RemoteSpeculatorMixin:
         session.broadcast(cols)
         if conf is not None:
             session.broadcast(conf)
-        if seq is not None and session.pipeline.fence.on_device:      # all of this step is queued now
-            self._yielded += session.pipeline.yield_to_drafts(seq)
+        return 0.0 if seq is None else session.pipeline.yield_to_drafts(seq)   # all of this step is queued now
 
     def _controlled(self) -> bool:
         session = self.core.session
