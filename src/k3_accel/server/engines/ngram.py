@@ -60,11 +60,13 @@ class NgramState:
             self.tokens = grown
         self.tokens[start:end] = new
         self.length = end
-        if len(new) <= _SMALL:
+        if start == end:
+            return
+        if end - start <= _SMALL:
             values = new.tolist()
-            large = bool(values) and (max(values) >= _PACKABLE or min(values) < 0)
+            large = max(values) >= _PACKABLE or min(values) < 0
         else:
-            large = bool(len(new)) and (int(new.max()) >= _PACKABLE or int(new.min()) < 0)
+            large = int(new.max()) >= _PACKABLE or int(new.min()) < 0
         if self.packed and large:
             self.packed = False
             self._index(0, end)                      # re-key everything as tuples
@@ -102,18 +104,19 @@ class NgramState:
 
     def _index_small(self, start: int, end: int) -> None:
         """The same as the numpy path, a token at a time (cheaper for a few rows)."""
-        lo = max(start - self.max_n + 1, 0)
+        max_n, first = self.max_n, self.first
+        lo = max(start - max_n + 1, 0)
         hist = self.tokens[lo:end].tolist()
-        first, max_n, packed = self.first, self.max_n, self.packed
-        for j in range(start - lo, end - lo):
-            pos = lo + j
-            key = 0
-            for n in range(1, min(max_n, pos + 1) + 1):
-                t = hist[j - n + 1]
-                if packed:
-                    key |= t << (_BITS * (n - 1))
+        for pos in range(start, end):
+            j = pos - lo
+            if self.packed:
+                key = shift = 0
+                for n in range(1, min(max_n, pos + 1) + 1):
+                    key |= hist[j - n + 1] << shift      # the newest token sits in the lowest bits
+                    shift += _BITS
                     first[n - 1].setdefault(key, pos - n + 1)
-                else:
+            else:
+                for n in range(1, min(max_n, pos + 1) + 1):
                     first[n - 1].setdefault(tuple(hist[j - n + 1:j + 1]), pos - n + 1)
 
     def rewind(self, length: int) -> None:
@@ -121,26 +124,37 @@ class NgramState:
             self.length = length
             self._index(0, length)
 
-    def key(self, anchor: int, n: int):
-        tail = self.tokens[self.length - n + 1:self.length] if n > 1 else ()
-        if self.packed and 0 <= anchor < _PACKABLE:
-            k = 0
-            for t in tail:
-                k = (k << _BITS) | int(t)
-            return (k << _BITS) | anchor
-        return (*(int(t) for t in tail), anchor) if not self.packed else None
+    def keys(self, anchor: int, top: int) -> list | None:
+        """Keys of the grams of 1..top tokens that end with ``anchor`` after the history (index n-1:
+        n tokens); None when no such gram can be in the index (an id too large for a packed key)."""
+        tail = self.tokens[self.length - top + 1:self.length].tolist() if top > 1 else []
+        if not self.packed:
+            return [(*tail[len(tail) - n + 1:], anchor) for n in range(1, top + 1)]
+        if not 0 <= anchor < _PACKABLE:
+            return None
+        out, key, shift = [anchor], anchor, _BITS
+        for t in reversed(tail):                     # the newest token sits in the lowest bits
+            key |= t << shift
+            shift += _BITS
+            out.append(key)
+        return out
 
-    def propose(self, anchor: int, k: int, min_n: int) -> np.ndarray | None:
+    def propose(self, anchor: int, k: int, min_n: int) -> list[int] | None:
         length = self.length
-        for n in range(min(self.max_n, length), min_n - 1, -1):
-            key = self.key(anchor, n)
-            start = self.first[n - 1].get(key) if key is not None else None
+        top = min(self.max_n, length)
+        if top < min_n:
+            return None
+        keys = self.keys(anchor, top)
+        if keys is None:
+            return None
+        for n in range(top, min_n - 1, -1):
+            start = self.first[n - 1].get(keys[n - 1])
             if start is not None:
                 begin = start + n
-                out = self.tokens[begin:min(begin + k, length)]
+                out = self.tokens[begin:min(begin + k, length)].tolist()
                 if len(out) < k and begin + len(out) == length:
-                    out = np.append(out, anchor)     # the continuation may run into the anchor
-                return out[:k]
+                    out.append(anchor)               # the continuation may run into the anchor
+                return out
         return None
 
 
@@ -186,9 +200,8 @@ class NgramEngine(DraftEngine):
 
     def propose(self, batch: ProposeBatch) -> Proposal:
         k, min_n = batch.k, self.min_n
-        out = np.full((len(batch.states), k), -1, dtype=np.int64)
-        for i, (state, anchor) in enumerate(zip(batch.states, batch.anchors.tolist())):
+        rows, none = [], [-1] * k
+        for state, anchor in zip(batch.states, batch.anchors.tolist()):
             found = state.propose(anchor, k, min_n)
-            if found is not None and len(found):
-                out[i, :len(found)] = found
-        return Proposal(tokens=torch.from_numpy(out))
+            rows.append(found + none[len(found):] if found else none)
+        return Proposal(tokens=torch.tensor(rows, dtype=torch.int64).reshape(len(rows), k))
