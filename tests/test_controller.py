@@ -45,6 +45,11 @@ class FakeTarget:
         # before the draft thread gets to it) goes as an ingest, held; None: no step is held
         self.hold_lag: int | None = None
         self._holds: list[bool] = []
+        # V2's draft thread: the GPU goes on once the controller says a step drafts nothing
+        # (``decided``), and while speculation is on the controller chooses while the reply travels
+        self.v2 = False
+        self.sent: list[int] = []                        # the K each step asked the server for
+        self._proposing = True
 
     def step(self, n: int) -> list[np.ndarray]:
         """``n`` decode steps; returns the drafts per request handed to vLLM each step."""
@@ -79,15 +84,24 @@ class FakeTarget:
                 held = self._holds[-1 - self.hold_lag] if len(self._holds) > self.hold_lag else False
                 if held:
                     inp = dataclasses.replace(inp, k=0)
-            res = self.c.step(inp, self._server, held=held)
+            if self.v2:
+                res = self.c.step(inp, self._server, decided=self._decided, held=held)
+            else:
+                res = self.c.step(inp, self._server, held=held)
             got = (res.drafts[:self.batch] >= 0).sum(dim=1).numpy()
             self.asked.append(got)
             self.given = dict(zip(self.ids, got.tolist()))
             out.append(got)
         return out
 
-    def _server(self, inp: StepInput) -> StepOutput:
-        if inp.k > 0:
+    def _decided(self, proposing: bool) -> None:
+        self._proposing = proposing
+
+    def _server(self, inp: StepInput, while_waiting=None) -> StepOutput:
+        self.sent.append(inp.k)
+        if while_waiting is not None and inp.k > 0:
+            while_waiting()                                    # the propose is out: the choice is made
+        if inp.k > 0 and (self._proposing or not self.v2):    # V2: a step drafting nothing waits for no reply
             self.now += self.rt + self.hiccup(len(self.asked))
         out = StepOutput(torch.full((len(inp.req_ids), inp.k), 5, dtype=torch.int64))
         if self.confidence is not None and inp.k > 0:
@@ -273,6 +287,26 @@ def test_controller_same_on_every_tp_rank():
         t.accept = lambda step, i, j: (step // 20) % 2 == 0 and j < 3 + i % 3
         return [d.tolist() for d in t.step(100)]
     assert run() == run()
+
+
+def test_choosing_while_the_reply_travels_changes_no_choice():
+    """On V2 the controller sends a step as a propose while speculation is on and chooses while its
+    reply travels (off the drafts' critical path): every step hands out exactly the drafts choosing
+    first would, through a draft that stops paying and starts again (off stretches, probes). Only
+    the first step of an off stretch still goes as a propose (its drafts dropped); while off, ingests."""
+    def run(v2):
+        t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=8)), batch=6)
+        t.v2 = v2
+        t.accept = lambda step, i, j: (step // 40) % 2 == 0 and j < 3 + i % 3
+        return [d.tolist() for d in t.step(160)], t.sent, t.c.counters
+    first, sent_v1, counters = run(False)
+    early, sent_v2, _ = run(True)
+    assert early == first
+    assert counters["off_steps"] > 40 and counters["probe_steps"] > 0         # the run went off and probed
+    changed = [i for i, (a, b) in enumerate(zip(sent_v1, sent_v2)) if a != b]
+    assert changed and all(sent_v1[i] == 0 and sent_v2[i] == K and sum(early[i]) == 0 for i in changed)
+    assert all(sum(early[i - 1]) > 0 for i in changed)                        # the first step off: a propose
+    assert sent_v2.count(0) >= 40                                             # while off: ingests
 
 
 def test_an_off_batch_sends_an_ingest_not_a_propose():

@@ -96,7 +96,7 @@ class GatedClient(NoClient):
     def __init__(self):
         self.gate, self.entered, self.done = threading.Event(), threading.Event(), threading.Event()
 
-    def step(self, inp):
+    def step(self, inp, while_waiting=None):
         self.entered.set()
         self.gate.wait()
         self.done.set()
@@ -235,26 +235,38 @@ class StepLaunch(ReadyLaunch):
 
 
 class GatedStepClient(GatedClient):
-    def step(self, inp):
+    """Sends at once, then waits for ``gate`` (the reply, or a full ring); ``asked``: each step's K."""
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def step(self, inp, while_waiting=None):
+        self.asked.append(inp.k)
         self.entered.set()
+        if while_waiting is not None and inp.k > 0:     # the propose is out, its reply on its way
+            while_waiting()
         self.gate.wait()
         self.done.set()
         return Out(torch.full((len(inp.req_ids), inp.k), 7, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("drafting", [False, True])
-def test_a_step_the_controller_drafts_nothing_for_releases_the_gpu_before_its_rows_ship(drafting):
+@pytest.mark.parametrize("state", ["drafting", "turns off", "stays off"])
+def test_a_step_the_controller_drafts_nothing_for_releases_the_gpu_before_its_reply(state):
     """When the adaptive controller asks no drafts of a step, the GPU (waiting on V2 for that step's
-    drafts) goes on as soon as that is decided, not after the step's rows are staged and sent (the
-    GPU otherwise waits for the staging ring every step speculation is off). A step that drafts still
-    waits for them."""
+    drafts) goes on as soon as that is decided, never after the step's reply (nor, while speculation
+    is off, after its rows are staged and sent: the GPU would wait for the staging ring every off
+    step). While speculation is on the step goes out as a propose first and the choice is made while
+    its reply travels; one that then drafts nothing drops the drafts. A step that drafts waits."""
     from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
+    drafting = state == "drafting"
     controller = Controller(ControllerSettings(k_max=3, probe_interval=1000))
     controller.acceptance.tried[:] = 1000.0                         # measured: every draft rejected
     controller.acceptance.accepted[:] = 1000.0 if drafting else 0.0  # (or every one accepted)
     for tokens in (1, 2, 3, 4):
         controller.cost.observe(tokens, 0.010 + 0.001 * tokens)
     controller.cost.observe_round_trip(0.002)
+    if state == "stays off":
+        controller._off = 1                                          # the step before drafted nothing
     client = GatedStepClient()
     pipe = DraftPipeline(client, HostFence(), 4, 3, lambda kind, what: None, controller=controller)
     try:
@@ -271,6 +283,7 @@ def test_a_step_the_controller_drafts_nothing_for_releases_the_gpu_before_its_ro
         assert pipe.call(lambda c: "done", timeout=60) == "done"
         want = [[7, 7, 7]] * 2 if drafting else [[-1, -1, -1]] * 2
         assert pipe.reply_rows(seq, 4, 3)[:2].tolist() == want
+        assert client.asked == [0 if state == "stays off" else 3]   # off: an ingest, no propose
     finally:
         client.gate.set()
         pipe.close(5)

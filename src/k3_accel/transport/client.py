@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -114,8 +114,9 @@ class DraftClient:
         self.close()
 
     # ===================================================================== step
-    def step(self, inp: StepInput) -> StepOutput:
-        """Ship one step's context and, if asked, return drafts (see the module docstring)."""
+    def step(self, inp: StepInput, while_waiting: Callable[[], None] | None = None) -> StepOutput:
+        """Ship one step's context and, if asked, return drafts (see the module docstring);
+        ``while_waiting()`` runs once a propose is sent, before its reply is waited for (must not raise)."""
         started = time.perf_counter()
         inp.validate(self.settings)
         if self.caps is not None and inp.k > self.caps.max_spec_tokens:
@@ -123,7 +124,7 @@ class DraftClient:
         drafts = np.full((inp.num_requests, inp.k), -1, dtype=np.int64)
         out = StepOutput(torch.from_numpy(drafts))
         if self.link.state not in (State.INCOMPATIBLE, State.CLOSED, State.NEW):
-            live = self._guarded(inp, out)
+            live = self._guarded(inp, out, while_waiting)
             if self.book.apply() or live is None or not live.all():
                 self._mask(inp, drafts)
         if inp.num_accepted is not None:
@@ -137,7 +138,7 @@ class DraftClient:
         self.sender.broken = None
         self.plane.lost()
 
-    def _guarded(self, inp: StepInput, out: StepOutput) -> np.ndarray | None:
+    def _guarded(self, inp: StepInput, out: StepOutput, while_waiting: Callable[[], None] | None) -> np.ndarray | None:
         """Run the step; transport trouble fails the step's batch closed instead of raising.
         Returns which requests were live when the step began (None: not known)."""
         try:
@@ -148,7 +149,7 @@ class DraftClient:
                 self.link.service()
                 self.book.apply()
             if self.link.ready:
-                return self._run_step(inp, out)
+                return self._run_step(inp, out, while_waiting)
             self._lost_rows(inp)
         except RingTimeout as exc:
             self.book.failures.push(FailureKind.RING_TIMEOUT, inp.batch_ids(), str(exc))
@@ -181,7 +182,7 @@ class DraftClient:
         if ids:
             self.book.failures.push(FailureKind.NOT_CONNECTED, ids, f"connection {self.link.state.value}")
 
-    def _run_step(self, inp: StepInput, out: StepOutput) -> np.ndarray:
+    def _run_step(self, inp: StepInput, out: StepOutput, while_waiting: Callable[[], None] | None) -> np.ndarray:
         recs = self.book.resolve(inp.req_ids)
         n = len(recs)
         counts = np.fromiter(inp.counts, dtype=np.int64, count=n)
@@ -213,6 +214,8 @@ class DraftClient:
                 event.synchronize()
         pending = self.outbox.post_step(inp, plan, slot, handles, anchor_tokens, device)
         self.telemetry.add("enqueue", time.perf_counter() - t0)
+        if pending is not None and while_waiting is not None:
+            while_waiting()
         self._finish_step(inp, out, plan, pending)
         return live
 

@@ -110,29 +110,53 @@ class Controller:
             return 0
         return max(0, self._interval - self._off)
 
-    def step(self, inp: Any, run: Callable[[Any], Any], decided: Callable[[bool], None] | None = None,
+    def step(self, inp: Any, run: Callable[..., Any], decided: Callable[[bool], None] | None = None,
              held: bool = False, at: float | None = None) -> Any:
         """Learn from ``inp``, choose, run ``run(inp')`` (the client's step) and mask its drafts.
-        ``decided(proposing)`` is called as soon as the choice is made, before ``run``: a step that
-        drafts nothing need not hold the GPU while its rows are shipped. ``held``: launched without
-        drafts on :meth:`stays_off` (an ingest); it counts as a step drafting nothing. ``at``: when
-        the step reached the plugin (:attr:`clock`), if it waited in a queue before this call."""
+        ``decided(proposing)`` is called as soon as the choice is made: a step that drafts nothing
+        need not hold the GPU while its rows are shipped. Given that (a V2 step: the GPU goes on at
+        ``decided(False)``) and while speculation is on, the step is sent as a propose first and the
+        choice made while its reply travels: ``run(inp, choose_now)`` calls ``choose_now()`` once the
+        message is out (the same choice, off the drafts' critical path; one that drafts nothing
+        drops the drafts that come). ``held``: launched without drafts on :meth:`stays_off` (an
+        ingest); it counts as a step drafting nothing. ``at``: when the step reached the plugin
+        (:attr:`clock`), if it waited in a queue before this call."""
         start = self.clock() if at is None else at
         sampled = np.asarray(inp.sampled, dtype=bool)
         counts = np.asarray(inp.counts, dtype=np.int64)
-        self._learn(inp, sampled, counts, start)
-        self._rates = None                      # choose's, this step only
-        ks = self.choose(inp.req_ids, sampled, counts, held) if inp.k > 0 or held else \
-            np.zeros(len(counts), np.int64)
-        ks = np.minimum(ks, inp.k)
+        choice: list = []
+
+        def decide() -> None:                   # once per step; an error surfaces after the reply
+            if choice:
+                return
+            try:
+                self._learn(inp, sampled, counts, start)
+                self._rates = None              # choose's, this step only
+                ks = self.choose(inp.req_ids, sampled, counts, held) if inp.k > 0 or held else \
+                    np.zeros(len(counts), np.int64)
+                choice.append(np.minimum(ks, inp.k))
+                if decided is not None:
+                    decided(bool(choice[0].any()))
+            except BaseException as exc:  # noqa: BLE001 - raised below, outside the client's wait
+                choice[:] = [exc]
+
+        if decided is not None and inp.k > 0 and not held and self._off == 0:
+            try:
+                out = run(inp, decide)
+            finally:
+                decide()                        # not called back: no reply was waited for
+        else:
+            decide()
+            out = None
+        if isinstance(choice[0], BaseException):
+            raise choice[0]
+        ks = choice[0]
         proposing = bool(ks.any())
-        if decided is not None:
-            decided(proposing)
-        if proposing or inp.k == 0:
-            out = run(inp)
-        else:                                   # nobody drafts: the rows still go (as an ingest), so the
-            out = run(dataclasses.replace(inp, k=0))   # server's context stays whole for when drafting pays again
-            out.drafts = torch.full((len(counts), inp.k), -1, dtype=torch.int64)
+        if out is None:
+            out = run(inp if proposing or inp.k == 0 else dataclasses.replace(inp, k=0))
+        if not proposing and inp.k > 0:         # nobody drafts: the rows went (as an ingest, or with a
+            out.drafts = torch.full((len(counts), inp.k), -1, dtype=torch.int64)   # propose sent first)
+            out.extra.pop("confidence", None)
         if proposing:
             self._last_wait = self.clock() - start
             self.cost.observe_round_trip(self._last_wait)

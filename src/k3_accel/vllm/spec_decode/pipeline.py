@@ -206,7 +206,7 @@ class DraftPipeline(StepWatch):
         copies already (:meth:`.OffRows.own`)."""
         if self.controller is None:
             return self.client.step(inp)
-        run = (lambda i: self._hold_or_ship(i, owned)) if hold_rows else self._ship
+        run = (lambda i, w=None: self._hold_or_ship(i, owned, w)) if hold_rows else self._ship
         try:
             return self.controller.step(inp, run, decided, held, at)
         finally:
@@ -241,15 +241,15 @@ class DraftPipeline(StepWatch):
         self.call(held, wait=False)
         return None
 
-    def _hold_or_ship(self, inp: Any, owned: bool = False) -> Any:
+    def _hold_or_ship(self, inp: Any, owned: bool = False, while_waiting: Callable[[], None] | None = None) -> Any:
         if inp.k == 0 and self.controller.stays_off() and self.off_rows.fits(inp):
             self.off_rows.add(inp, owned)
             return StepOutput(torch.full((inp.num_requests, 0), -1, dtype=torch.int64), deferred=True)
-        return self._ship(inp)
+        return self._ship(inp, while_waiting)
 
-    def _ship(self, inp: Any) -> Any:
+    def _ship(self, inp: Any, while_waiting: Callable[[], None] | None = None) -> Any:
         self.ship_held()
-        return self.client.step(inp)
+        return self.client.step(inp, while_waiting)
 
     def ship_held(self) -> None:
         """Send the rows :attr:`off_rows` holds (draft thread only): before anything else that
@@ -383,7 +383,7 @@ class DraftPipeline(StepWatch):
         self._where.update(phase=phase or "done", t=now)
 
 
-def _nothing(inp: Any) -> StepOutput:
+def _nothing(inp: Any, while_waiting: Any = None) -> StepOutput:
     return StepOutput(torch.full((len(inp.req_ids), 0), -1, dtype=torch.int64), deferred=True)
 
 
