@@ -85,6 +85,25 @@ def test_k_zero_ships_context_only(server, client_factory):
     assert stats.get("ops", {}).get("propose", 0) == 0 and stats["ingested_rows"] == 3
 
 
+def test_while_waiting_runs_once_a_propose_is_out_before_its_reply(server, client_factory):
+    """A step's ``while_waiting`` (the controller choosing off the drafts' critical path) runs once per
+    propose, after the message left and before its reply is read; a step with nothing to propose
+    never calls it. The drafts are what the server sent."""
+    client = client_factory(server.address)
+    seen = []
+
+    def during():
+        seen.append((client.link.conn.in_flight, client.stats()["counters"].get("sync_proposals", 0)))
+    history = [5, 6, 7, 5, 6]
+    out = client.step(rows(["a"], [(0, history)], anchors=[7]), during)
+    assert seen == [(1, 1)]                          # the propose was in flight, its reply not yet read
+    assert out.drafts.tolist() == [expected_drafts(history, 7)] and client.link.conn.in_flight == 0
+    client.step(rows(["a"], [(5, [7])], sampled=[False]), during)   # an ingest: nobody to wait for
+    client.step(rows(["a"], [(6, [8])], k=0), during)
+    client.flush()
+    assert len(seen) == 1
+
+
 def test_no_deferral_waits_for_ingest(server, client_factory):
     client = client_factory(server.address, ring_depth=0)
     out = client.step(rows(["a"], [(0, [1, 2, 3])], sampled=[False]))
