@@ -17,7 +17,10 @@ and recorded; then one engine with remote drafting (K = 7) runs acceptance lengt
 by rewriting the oracle's control file. Each (length, B) runs its prompts twice: untimed-for-the-
 ratio first (``switch_speedup``: the switch from the previous length, what an adaptive controller
 pays to notice), then timed (``speedup``, the steady state). ``summary.ratio`` = the B = 32
-speed-up at length 4.
+speed-up at length 4. A variant named again with ``@N`` (``fixed,adaptive-av,fixed@2``) runs once more
+with the same settings and the summaries take the mean of its runs: the variant run second in one
+engine after another ran slower in every H200 run of 2026-12-06, so fixed, adaptive, fixed brackets
+the adaptive run in time.
 """
 from __future__ import annotations
 
@@ -208,7 +211,7 @@ VARIANTS = {IN_TREE: ({}, None),
 
 def run_variant(name: str, doc: dict, target: str, draft: str, address: str, control: Path,
                 prompts: dict, warm: list, work: Path, args) -> None:
-    spec_extra, plugin = VARIANTS[name]
+    spec_extra, plugin = VARIANTS[base_name(name)]
     remote = {} if plugin is None else {"additional_config": {"k3_accel": {"draft_address": address, **plugin,
                                                                            **json.loads(args.plugin)}}}
     llm = make_llm(target, args, speculative_config={"method": "dflash", "model": draft,
@@ -268,11 +271,22 @@ def run_variant(name: str, doc: dict, target: str, draft: str, address: str, con
         del llm
 
 
+def base_name(name: str) -> str:
+    """The variant's settings of a run named ``name`` (``fixed@2``: the fixed K's second run)."""
+    return name.split("@")[0]
+
+
 def _speedups(doc: dict, name: str) -> dict:
-    """``{length: {B: speed-up}}`` of a variant, measured or read back from JSON (string keys)."""
-    v = doc["variants"].get(name, {})
-    return {str(L): {str(b): e["speedup"] if e.get("valid", True) else None for b, e in v[str(L)].items()}
-            for L in LENGTHS if str(L) in v}
+    """``{length: {B: speed-up}}`` of a variant, measured or read back from JSON (string keys): the
+    mean over its runs (``name``, ``name@2``, ...); None where one was not valid."""
+    runs = [v for n, v in doc["variants"].items() if base_name(n) == name]
+    out: dict = {}
+    for L in LENGTHS:
+        for b in dict.fromkeys(b for v in runs for b in v.get(str(L), {})):
+            got = [v[str(L)][b] for v in runs if b in v.get(str(L), {})]
+            ok = [e["speedup"] for e in got if e.get("valid", True)]
+            out.setdefault(str(L), {})[str(b)] = sum(ok) / len(ok) if len(ok) == len(got) else None
+    return out
 
 
 ADAPTIVE_VARIANTS = ("adaptive-av", "adaptive-gate-av", "adaptive-av-nogate", "adaptive-gate",
@@ -281,7 +295,7 @@ ADAPTIVE_VARIANTS = ("adaptive-av", "adaptive-gate-av", "adaptive-av-nogate", "a
 
 def _recommended(doc: dict) -> str | None:
     """The first of ``ADAPTIVE_VARIANTS`` this run measured (the recommended configuration first)."""
-    return next((v for v in ADAPTIVE_VARIANTS if v in doc["variants"]), None)
+    return next((v for v in ADAPTIVE_VARIANTS if v in map(base_name, doc["variants"])), None)
 
 
 def summary(doc: dict, machine: str) -> dict:
@@ -309,7 +323,7 @@ def adaptive_summary(doc: dict, machine: str) -> dict:
     ``ratio``: the first of ``ADAPTIVE_VARIANTS`` that ran (the recommended configuration)."""
     fixed = _speedups(doc, "fixed")
     by_variant = {}
-    for name in (v for v in ADAPTIVE_VARIANTS if v in doc["variants"]):
+    for name in (v for v in ADAPTIVE_VARIANTS if v in map(base_name, doc["variants"])):
         ada = _speedups(doc, name)
         at1 = ada.get("1.0", {})
         vs_best = {L: {b: None if ada[L][b] is None or fixed.get(L, {}).get(b) is None else
@@ -391,7 +405,7 @@ def main() -> int:
     machine = (f"1x {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}, "
                f"torch {torch.__version__}, vllm {__import__('vllm').__version__}")
     doc["summary"] = summary(doc, machine)
-    if args.adaptive_out and any(v in doc["variants"] for v in ADAPTIVE_VARIANTS):
+    if args.adaptive_out and _recommended(doc):
         emit({"config": doc["config"], "baseline": doc["baseline"], "variants": doc["variants"],
               "summary": adaptive_summary(doc, machine)}, args.adaptive_out)
     emit(doc, args.out)
