@@ -309,6 +309,34 @@ def test_choosing_while_the_reply_travels_changes_no_choice():
     assert sent_v2.count(0) >= 40                                             # while off: ingests
 
 
+def test_a_step_chosen_to_draft_nothing_after_its_propose_left_hands_out_nothing():
+    """On V2 a step goes out as a propose before the choice; when the choice is "nothing" the
+    server's reply (drafts and its per-draft confidence) must not reach vLLM: no drafts, no
+    confidence (adaptive verification would rank slots that hold no draft), and the GPU was told
+    before the reply came."""
+    c = Controller(ControllerSettings(k_max=K, probe_interval=1000, confidence=True))
+    c.acceptance.tried[:], c.acceptance.accepted[:] = 1000.0, 0.0     # measured: every draft rejected
+    for tokens in (8, 16, 24, 32):
+        c.cost.observe(tokens, 0.010 + 0.001 * tokens)
+    c.cost.observe_round_trip(0.002)
+    b, events = 6, []
+
+    def server(inp, while_waiting=None):
+        events.append(("sent", inp.k))
+        if while_waiting is not None:
+            while_waiting()
+        events.append("reply")
+        out = StepOutput(torch.full((b, inp.k), 5, dtype=torch.int64))
+        out.extra["confidence"] = torch.full((b, inp.k), 0.9)
+        return out
+    inp = StepInput([f"r{i}" for i in range(b)], [1] * b, torch.zeros(b, dtype=torch.int64),
+                    torch.zeros(b, dtype=torch.int64), [True] * b, [0] * b, [1] * b, k=K)
+    out = c.step(inp, server, decided=lambda proposing: events.append(("decided", proposing)))
+    assert events == [("sent", K), ("decided", False), "reply"]
+    assert (out.drafts == -1).all() and tuple(out.drafts.shape) == (b, K)
+    assert "confidence" not in out.extra and c.given == {}
+
+
 def test_an_off_batch_sends_an_ingest_not_a_propose():
     c = Controller(ControllerSettings(k_max=K, probe_interval=1000))
     t = FakeTarget(c, batch=2, rt=0.5)                        # the round trip dwarfs the step
