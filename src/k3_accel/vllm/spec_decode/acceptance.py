@@ -74,10 +74,6 @@ class Acceptance:
         w = self.s.prior_weight
         return (self.accepted + w * self.s.prior) / (self.tried + w)
 
-    def survival(self, req_ids: Sequence[str]) -> np.ndarray:
-        """``[R, K]``: probability that a request's first j+1 drafts are all accepted."""
-        return np.cumprod(self.rates(req_ids), axis=1)
-
     def rates(self, req_ids: Sequence[str]) -> np.ndarray:
         """``[R, K]``: each request's acceptance at position j+1, given the drafts before it were accepted."""
         g = self.global_rate()
