@@ -48,7 +48,7 @@ def main() -> None:
     b_max = max(b for b, _ in cases)
     engine = DSparkEngine.from_weights(weights, heads, budget_bytes=(b_max * context + 4096) * row_bytes,
                                        max_batch=b_max, graph_k=tuple(sorted({k for _, k in cases})))
-    if not args.graphs:
+    if not (args.graphs or args.host):     # the host's share is of the graphs as served
         engine.graphs = None
     hidden = torch.randn(context, cfg.context_width, device=dev, dtype=torch.float32).to(dtype)
     states = fill(engine, b_max, context, hidden)

@@ -16,7 +16,7 @@ import torch
 from k3_accel.server.engines.dflash import ops_torch, ops_triton
 from k3_accel.server.engines.dflash.config import DFlashConfig
 from k3_accel.server.engines.dflash.model import rope_table
-from k3_accel.server.engines.dflash import gumbel
+from k3_accel.server.engines.dflash import gumbel, triton_sampling
 from k3_accel.testing.precision import UNIT_ROUNDOFF, clear_positions, logit_tolerance
 
 CFG = DFlashConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -162,6 +162,22 @@ def markov(device: str, dtype: torch.dtype, gen: torch.Generator, shapes=SHAPES)
         w[30, 0] = bias
         for ops in (ops_torch, ops_triton):
             assert int(ops.markov_pick(base[:, 2], e, w, scale)) == winner, (ops.__name__, bias, scale)
+    # equal maxima in different column blocks, within one program's run of blocks and across
+    # programs, greedy and sampled at temperature 0: the first column wins, as torch.argmax picks
+    cols = 9 * triton_sampling.TILE[0] + 7
+    wide = torch.full((2, cols), -4.0, dtype=dtype, device=device)
+    w = torch.zeros(cols, 16, dtype=dtype, device=device)
+    e = torch.zeros(2, 16, dtype=dtype, device=device)
+    cold = (torch.zeros(2, device=device), torch.tensor([3, 4], device=device),
+            torch.zeros(2, dtype=torch.int32, device=device), 0)
+    block = triton_sampling.TILE[0]
+    for planted in ((5, block + 3), (block + 3, 3 * block), (2 * block + 1, cols - 1), (cols - 1,)):
+        wide.fill_(-4.0)
+        wide[:, list(planted)] = 1.0
+        for ops in (ops_torch, ops_triton):
+            for sampling in ((), cold):
+                got = ops.markov_pick(wide, e, w, 1.0, *sampling).tolist()
+                assert got == [planted[0]] * 2, (ops.__name__, planted, got, bool(sampling))
 
 
 def engines(device: str, dtype: str, gen: torch.Generator) -> None:
