@@ -20,7 +20,7 @@ def test_a_growing_table_keeps_its_first_blocks(step):
         table.blocks.extend(int(b) for b in rng.integers(0, 10_000, size=step))
         tables.update(table, first)                   # only the new blocks are copied
         n = len(table.blocks)
-        assert tables._arrays[table][:n].tolist() == table.blocks     # the mirror itself, before get()
+        assert tables._arrays[table].arr[:n].tolist() == table.blocks     # the mirror itself, before get()
         assert tables.get(table).tolist() == table.blocks
 
 
@@ -30,5 +30,32 @@ def test_a_rewrite_from_the_middle_keeps_the_head():
     tables.update(table)
     table.blocks[12:] = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]
     tables.update(table, 12)                          # a rewind rewrote from block 12 on, and it grew
-    assert tables._arrays[table][:len(table.blocks)].tolist() == table.blocks
+    assert tables._arrays[table].arr[:len(table.blocks)].tolist() == table.blocks
     assert tables.get(table).tolist() == table.blocks
+
+
+def test_a_table_edited_elsewhere_is_read_as_it_is_now():
+    """A look-up returns the table as it is, whatever was edited without telling the mirror: a head
+    replaced before a partial update, a tail replaced, a cut, a regrowth whose new last block equals
+    a stale entry the mirror still holds past the cut, a table of the same ends but a new length."""
+    tables = HostTables()
+    table = BlockTable(blocks=list(range(1, 11)))
+    tables.update(table)
+    table.blocks[0] = 500                              # the head, edited elsewhere ...
+    table.blocks.append(11)
+    tables.update(table, 10)                           # ... then only the new block is copied
+    assert tables.get(table).tolist() == table.blocks
+    table.blocks[-1] = 700                             # the tail, edited elsewhere
+    assert tables.get(table).tolist() == table.blocks
+    del table.blocks[5:]                               # a cut, told
+    tables.update(table, 5)
+    assert tables.get(table).tolist() == table.blocks
+    table.blocks.extend([60, 70, 80, 90, 10])          # regrown elsewhere; 10 is also the stale entry at [9]
+    assert tables.get(table).tolist() == [500, 2, 3, 4, 5, 60, 70, 80, 90, 10]
+    del table.blocks[1:-1]                             # only the ends kept: the same ends, a new length
+    assert tables.get(table).tolist() == [500, 10]
+    table.blocks[1:1] = [2, 3]
+    del table.blocks[-1]                               # a cut nobody told it about
+    assert tables.get(table).tolist() == [500, 2, 3]
+    table.blocks.clear()
+    assert tables.get(table).tolist() == []

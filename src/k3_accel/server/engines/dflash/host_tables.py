@@ -5,7 +5,9 @@ ids on the host, every step; the engine instead updates a NumPy mirror of each
 table where it changes (an ingest touches the table from its first rewritten
 block on, a fork builds a new one), and a propose copies the mirrors. A mirror
 whose length or end blocks disagree with its table (a table edited elsewhere)
-is rebuilt from the list.
+is rebuilt from the list; the check compares plain ints kept at the last copy (a look-up
+costs about a third of what comparing the mirror's own entries did: 9 against 26 µs for 32
+tables on the CPU box).
 """
 from __future__ import annotations
 
@@ -16,30 +18,49 @@ import numpy as np
 from ..pool import BlockTable
 
 
+class _Mirror:
+    """A table's int32 mirror and its length and end blocks as of the last copy (plain ints: the
+    check of a propose's look-up costs no NumPy scalar)."""
+    __slots__ = ("arr", "n", "first", "last")
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self.arr, self.n, self.first, self.last = arr, 0, None, None
+
+
 class HostTables:
     def __init__(self) -> None:
-        self._arrays: weakref.WeakKeyDictionary[BlockTable, np.ndarray] = weakref.WeakKeyDictionary()
+        self._arrays: weakref.WeakKeyDictionary[BlockTable, _Mirror] = weakref.WeakKeyDictionary()
 
     def update(self, table: BlockTable, first: int = 0) -> None:
         """Copy ``table.blocks[first:]`` into the mirror (entries before ``first`` unchanged)."""
-        n = len(table.blocks)
-        arr = self._arrays.get(table)
-        if arr is None or arr.shape[0] < n:
+        blocks = table.blocks
+        n = len(blocks)
+        mirror = self._arrays.get(table)
+        if mirror is None or mirror.arr.shape[0] < n:
+            arr = None if mirror is None else mirror.arr
             grown = np.empty(max(16, n, 0 if arr is None else 2 * arr.shape[0]), dtype=np.int32)
             if arr is None:
                 first = 0
             else:
                 grown[:first] = arr[:first]
-            arr = grown
-            self._arrays[table] = arr
+            mirror = _Mirror(grown)
+            self._arrays[table] = mirror
+        arr = mirror.arr
         if n > first:
-            arr[first:n] = table.blocks[first:n]
+            arr[first:n] = blocks[first:n]
+        # the ends the mirror holds now (a head or tail it kept may disagree with an edited table)
+        mirror.n = n
+        mirror.first = None if not n else blocks[0] if first == 0 else int(arr[0])
+        mirror.last = None if not n else blocks[-1] if n > first else int(arr[n - 1])
 
     def get(self, table: BlockTable) -> np.ndarray:
         """The table's block ids as int32 (a view: copy before the table changes)."""
-        blocks, n = table.blocks, len(table.blocks)
-        arr = self._arrays.get(table)
-        if n and (arr is None or arr.shape[0] < n or arr[0] != blocks[0] or arr[n - 1] != blocks[-1]):
+        blocks = table.blocks
+        n = len(blocks)
+        if not n:
+            return np.empty(0, dtype=np.int32)
+        mirror = self._arrays.get(table)
+        if mirror is None or mirror.n != n or mirror.first != blocks[0] or mirror.last != blocks[-1]:
             self.update(table, 0)
-            arr = self._arrays[table]
-        return arr[:n] if n else np.empty(0, dtype=np.int32)
+            mirror = self._arrays[table]
+        return mirror.arr[:n]
