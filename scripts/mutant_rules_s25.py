@@ -10,7 +10,9 @@ S25_MUTANTS = (
            "server/engines/dflash/host_tables.py", "if mirror is None or mirror.n != n or ",
            "if mirror is None or ", ("tests/test_host_tables.py",)),
     Mutant("s25-mirror-head-from-table", "after a partial copy the kept head is the mirror's own, not the table's",
-           "server/engines/dflash/host_tables.py",
-           "mirror.first = None if not n else blocks[0] if first == 0 else int(arr[0])",
-           "mirror.first = None if not n else blocks[0]", ("tests/test_host_tables.py",)),
+           "server/engines/dflash/host_tables.py", "        if first == 0:\n            mirror.first = ",
+           "        if True:\n            mirror.first = ", ("tests/test_host_tables.py",)),
+    Mutant("s25-mirror-copies-past-its-length", "a partial copy starts no later than what the mirror holds",
+           "server/engines/dflash/host_tables.py", "        if first > mirror.n:\n            first = mirror.n\n", "",
+           ("tests/test_host_tables.py",)),
 )

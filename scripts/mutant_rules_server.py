@@ -33,7 +33,7 @@ SERVER_MUTANTS = (
            "        self.kv[:, :, dst, :rows] = self.kv[:, :, src, :rows]", "        pass",
            ("tests/test_dflash_engine.py", "tests/test_dflash_pool.py", "tests/test_server_dflash.py")),
     Mutant("host-tables-lose-head", "a grown block-table mirror keeps its first blocks", D + "host_tables.py",
-           "                grown[:first] = arr[:first]", "                pass",
+           "            grown[:first] = arr[:first]", "            pass",
            ("tests/test_host_tables.py", "tests/test_dflash_engine.py", "tests/test_dflash_pool.py", "tests/test_server_dflash.py")),
     Mutant("model-d2t-unmapped", "a reduced-vocabulary draft's ids are mapped to target ids", D + "model.py",
            "    return ids if fw.d2t is None else ids + fw.d2t[ids]", "    return ids",

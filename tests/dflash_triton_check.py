@@ -162,15 +162,16 @@ def markov(device: str, dtype: torch.dtype, gen: torch.Generator, shapes=SHAPES)
         w[30, 0] = bias
         for ops in (ops_torch, ops_triton):
             assert int(ops.markov_pick(base[:, 2], e, w, scale)) == winner, (ops.__name__, bias, scale)
-    # equal maxima in different column blocks, within one program's run of blocks and across
-    # programs, greedy and sampled at temperature 0: the first column wins, as torch.argmax picks
-    cols = 9 * triton_sampling.TILE[0] + 7
+    # equal maxima in different column blocks (each block's maximum is found apart, then the
+    # first of them is picked), greedy and sampled at temperature 0: the first column wins, as
+    # torch.argmax picks
+    block = triton_sampling.TILE[0]
+    cols = 9 * block + 7
     wide = torch.full((2, cols), -4.0, dtype=dtype, device=device)
     w = torch.zeros(cols, 16, dtype=dtype, device=device)
     e = torch.zeros(2, 16, dtype=dtype, device=device)
     cold = (torch.zeros(2, device=device), torch.tensor([3, 4], device=device),
             torch.zeros(2, dtype=torch.int32, device=device), 0)
-    block = triton_sampling.TILE[0]
     for planted in ((5, block + 3), (block + 3, 3 * block), (2 * block + 1, cols - 1), (cols - 1,)):
         wide.fill_(-4.0)
         wide[:, list(planted)] = 1.0

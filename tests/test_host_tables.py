@@ -59,3 +59,17 @@ def test_a_table_edited_elsewhere_is_read_as_it_is_now():
     assert tables.get(table).tolist() == [500, 2, 3]
     table.blocks.clear()
     assert tables.get(table).tolist() == []
+
+
+def test_a_partial_copy_never_trusts_entries_the_mirror_does_not_hold():
+    """``update(table, first)`` says the blocks before ``first`` are unchanged; entries past the
+    mirror's own length were never copied (here: stale ones left by a cut), so they are copied too."""
+    tables = HostTables()
+    table = BlockTable(blocks=[1, 2, 3, 4, 5, 6])
+    tables.update(table)
+    del table.blocks[4:]                               # a cut, told: the mirror still holds 5, 6 past it
+    tables.update(table, 4)
+    table.blocks.extend([50, 51, 52])                  # grown, but told only about the last block
+    tables.update(table, 6)
+    assert tables._arrays[table].arr[:7].tolist() == [1, 2, 3, 4, 50, 51, 52]
+    assert tables.get(table).tolist() == [1, 2, 3, 4, 50, 51, 52]
