@@ -154,16 +154,18 @@ def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tenso
 # atomic max (the value's ordered bits above, the column's complement below: the first column wins
 # a tie, as torch.argmax picks), and the next step reads its previous token from there: a step is
 # one launch. WALK_BACK: odd steps take the column blocks from the last, so the blocks of ``w2`` the
-# previous step read last are still in L2.
+# previous step read last may still be in L2. SPREAD: int64s from one request's packed maximum to
+# the next (16: each its own 128-byte line, should every program's atomics on one line contend).
 TILE = (128, 4, 3)
 WALK_BACK = True
+SPREAD = 1
 _UNSET = -2**63                       # below every packed value
 _LOW = tl.constexpr(2**31 - 1)        # packed low half: _LOW - column
 
 
 @triton.jit(do_not_specialize=["step", "flip"])
 def _markov_kernel(base_ptr, prev_ptr, d2t_ptr, table_ptr, w_ptr, t_ptr, seed_ptr, len_ptr, key_ptr, best_ptr,
-                   step, flip, n_rows, n_cols, base_stride, n_chunks, scale,
+                   step, flip, n_rows, n_cols, base_stride, n_chunks, prev_stride, best_stride, scale,
                    ROWS: tl.constexpr, RANK: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
                    PACKED_PREV: tl.constexpr, HAS_D2T: tl.constexpr, SCALED: tl.constexpr,
                    SAMPLED: tl.constexpr, HAS_KEYS: tl.constexpr, IEEE: tl.constexpr, SALT: tl.constexpr):
@@ -172,7 +174,7 @@ def _markov_kernel(base_ptr, prev_ptr, d2t_ptr, table_ptr, w_ptr, t_ptr, seed_pt
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     row_ok, col_ok = rows < n_rows, cols < n_cols
-    prev = tl.load(prev_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    prev = tl.load(prev_ptr + rows * prev_stride, mask=row_ok, other=0).to(tl.int64)
     if PACKED_PREV:                  # the previous step's packed best: its column, as a target id
         prev = _LOW - (prev - ((prev >> 32) << 32))
         if HAS_D2T:
@@ -210,7 +212,7 @@ def _markov_kernel(base_ptr, prev_ptr, d2t_ptr, table_ptr, w_ptr, t_ptr, seed_pt
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ordered as the floats are
     packed = (bits.to(tl.int64) << 32) + (_LOW - cols[None, :].to(tl.int64))
-    tl.atomic_max(best_ptr + rows, tl.max(packed, axis=1), mask=row_ok)
+    tl.atomic_max(best_ptr + rows * best_stride, tl.max(packed, axis=1), mask=row_ok)
 
 
 def _unpack(best: torch.Tensor) -> torch.Tensor:
@@ -222,7 +224,7 @@ def _markov_step(base: torch.Tensor, prev: torch.Tensor, packed_prev: bool, tabl
                  w: torch.Tensor, scale: float, best: torch.Tensor, d2t: torch.Tensor | None,
                  temperature: torch.Tensor | None, seeds: torch.Tensor | None,
                  ctx_lens: torch.Tensor | None, step: int, keys: torch.Tensor | None) -> None:
-    """One launch: ``best [R]`` (filled with _UNSET) gets each row's packed pick of
+    """One launch: ``best [R]`` (filled with _UNSET, any stride) gets each row's packed pick of
     ``base [R, V] + (table[prev] @ w.T) * scale``."""
     n, cols = base.shape
     rank = w.shape[1]
@@ -234,7 +236,8 @@ def _markov_step(base: torch.Tensor, prev: torch.Tensor, packed_prev: bool, tabl
     _markov_kernel[(chunks, triton.cdiv(n, rows))](
         base, prev, best if d2t is None else d2t, table, w, temperature if sampled else best,
         seeds if sampled else best, ctx_lens if sampled else best, base if keys is None else keys, best,
-        step, step % 2 if WALK_BACK else 0, n, cols, base.stride(0), chunks, float(scale), ROWS=rows,
+        step, step % 2 if WALK_BACK else 0, n, cols, base.stride(0), chunks, prev.stride(0),
+        best.stride(0), float(scale), ROWS=rows,
         RANK=rank, BLOCK=block, BK=bk, PACKED_PREV=packed_prev, HAS_D2T=d2t is not None,
         SCALED=scale != 1.0, SAMPLED=sampled, HAS_KEYS=keys is not None,
         IEEE=base.dtype == torch.float32, SALT=SALT, num_warps=warps, num_stages=stages)
@@ -248,7 +251,7 @@ def markov_pick(base: torch.Tensor, e: torch.Tensor, w: torch.Tensor, scale: flo
     ``base [R, V] + (e [R, r] @ w [V, r].T) * scale``: the argmax, or with ``temperature`` the
     seeded sample of draft ``step`` (:func:`gumbel_argmax`'s keying)."""
     n = base.shape[0]
-    best = torch.full((n,), _UNSET, dtype=torch.int64, device=base.device)
+    best = torch.full((n, SPREAD), _UNSET, dtype=torch.int64, device=base.device)[:, 0]
     if n:
         _markov_step(base, torch.arange(n, device=base.device), False, e.contiguous(), w.contiguous(), scale,
                      best, None, temperature, seeds, ctx_lens, step, keys)
@@ -263,7 +266,7 @@ def markov_drafts(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w
     ``[R, k]`` (int64), ``k`` launches (:func:`markov_pick` at each step, ``e = w1[prev]``,
     ``prev`` the last draft mapped by ``d2t``)."""
     r, k, _ = base.shape
-    best = torch.full((k, r), _UNSET, dtype=torch.int64, device=base.device)
+    best = torch.full((k, r, SPREAD), _UNSET, dtype=torch.int64, device=base.device)[..., 0]
     if r:
         w1, w2 = w1.contiguous(), w2.contiguous()
         for i in range(k):
