@@ -13,8 +13,7 @@ argmax, or the seeded Gumbel-max sample at temperature 1).
 * ``floor``: ``markov_w2``'s bytes plus the base logits' bytes / copy bandwidth measured here;
 * ``head``: ``ops_triton.markov_drafts``, the engine's whole Markov head (each step's token read
   from the step before, ``e = w1[prev]`` gathered in the kernel), per step, with odd steps walking
-  the columns backwards (``walk_back``, as shipped) and without (``walk_forward``), and with each
-  request's packed maximum on its own 128-byte line (``walk_back_spread16``).
+  the columns backwards (``walk_back``, as shipped) and without (``walk_forward``).
 
 Each is K = 7 steps captured in one CUDA graph, replayed (device time by CUDA events, median of
 ``--repeats``), per step. ``summary.ratio`` = worst over R in {1, 8, 32, 64} and greedy/sampled of
@@ -117,12 +116,11 @@ def main() -> None:
                     k, args.repeats)
             triton_sampling.TILE = tiles[0]
             anchors = torch.randint(0, v, (b,), device=dev, generator=gen)
-            for name, walk, spread in (("walk_back_ms", True, 1), ("walk_forward_ms", False, 1),
-                                       ("walk_back_spread16_ms", True, 16)):
-                triton_sampling.WALK_BACK, triton_sampling.SPREAD = walk, spread
+            for name, walk in (("walk_back_ms", True), ("walk_forward_ms", False)):
+                triton_sampling.WALK_BACK = walk
                 row[name] = graph_ms(lambda i: i or ops_triton.markov_drafts(base, anchors, w1, w, 1.0, None, *extra),
                                      k, args.repeats)
-            triton_sampling.WALK_BACK, triton_sampling.SPREAD = True, 1
+            triton_sampling.WALK_BACK = True
             shipped = row["fused_ms"][":".join(map(str, tiles[0]))]
             row["fused_over_two_kernel"] = shipped / row["two_kernel_ms"]
             row["fused_over_floor"] = shipped / floor

@@ -86,7 +86,7 @@ def main() -> None:
             device_ms = parts._events_ms(graph.graph.replay, 50)
         alone = {"idle": [], "after_copy": [], "behind_kernel": []}
         host = torch.empty(graph.inputs.shape[0], dtype=torch.int32, pin_memory=True)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(50):
                 for how, log in alone.items():
                     stream.synchronize()

@@ -154,11 +154,10 @@ def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tenso
 # atomic max (the value's ordered bits above, the column's complement below: the first column wins
 # a tie, as torch.argmax picks), and the next step reads its previous token from there: a step is
 # one launch. WALK_BACK: odd steps take the column blocks from the last, so the blocks of ``w2`` the
-# previous step read last may still be in L2. SPREAD: int64s from one request's packed maximum to
-# the next (16: each its own 128-byte line, should every program's atomics on one line contend).
+# previous step read last may still be in L2 (the H200: 30.4 against 32.4 us a step at B = 32,
+# greedy; the maxima each on its own 128-byte line measured no faster, 29.2: one line it is).
 TILE = (128, 4, 3)
 WALK_BACK = True
-SPREAD = 1
 _UNSET = -2**63                       # below every packed value
 _LOW = tl.constexpr(2**31 - 1)        # packed low half: _LOW - column
 
@@ -251,7 +250,7 @@ def markov_pick(base: torch.Tensor, e: torch.Tensor, w: torch.Tensor, scale: flo
     ``base [R, V] + (e [R, r] @ w [V, r].T) * scale``: the argmax, or with ``temperature`` the
     seeded sample of draft ``step`` (:func:`gumbel_argmax`'s keying)."""
     n = base.shape[0]
-    best = torch.full((n, SPREAD), _UNSET, dtype=torch.int64, device=base.device)[:, 0]
+    best = torch.full((n,), _UNSET, dtype=torch.int64, device=base.device)
     if n:
         _markov_step(base, torch.arange(n, device=base.device), False, e.contiguous(), w.contiguous(), scale,
                      best, None, temperature, seeds, ctx_lens, step, keys)
@@ -266,7 +265,7 @@ def markov_drafts(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w
     ``[R, k]`` (int64), ``k`` launches (:func:`markov_pick` at each step, ``e = w1[prev]``,
     ``prev`` the last draft mapped by ``d2t``)."""
     r, k, _ = base.shape
-    best = torch.full((k, r, SPREAD), _UNSET, dtype=torch.int64, device=base.device)[..., 0]
+    best = torch.full((k, r), _UNSET, dtype=torch.int64, device=base.device)
     if r:
         w1, w2 = w1.contiguous(), w2.contiguous()
         for i in range(k):
