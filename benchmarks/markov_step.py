@@ -10,7 +10,10 @@ argmax, or the seeded Gumbel-max sample at temperature 1).
   composes it, with the Triton pick);
 * ``fused``: ``ops_triton.markov_pick`` (one pass over ``markov_w2``; nothing ``[R, V]`` stored),
   for each ``--tiles`` entry (columns per program, warps, stages; the first is the shipped one);
-* ``floor``: ``markov_w2``'s bytes plus the base logits' bytes / copy bandwidth measured here.
+* ``floor``: ``markov_w2``'s bytes plus the base logits' bytes / copy bandwidth measured here;
+* ``head``: ``ops_triton.markov_drafts``, the engine's whole Markov head (each step's token read
+  from the step before, ``e = w1[prev]`` gathered in the kernel), per step, with odd steps walking
+  the columns backwards (``walk_back``, as shipped) and without (``walk_forward``).
 
 Each is K = 7 steps captured in one CUDA graph, replayed (device time by CUDA events, median of
 ``--repeats``), per step. ``summary.ratio`` = worst over R in {1, 8, 32, 64} and greedy/sampled of
@@ -86,6 +89,7 @@ def main() -> None:
     bw = copy_bandwidth()
     gen = torch.Generator(device=dev).manual_seed(0)
     w = torch.randn(v, r, device=dev, dtype=dtype, generator=gen) * (4 / r ** 0.5)
+    w1 = torch.randn(v, r, device=dev, dtype=dtype, generator=gen)
     table = []
     for b in (int(x) for x in args.batches.split(",")):
         base = torch.randn(b, k, v, device=dev, dtype=dtype, generator=gen) * 3
@@ -111,6 +115,12 @@ def main() -> None:
                     lambda i: ops_triton.markov_pick(base[:, i], e, w, 1.0, *extra, *((i,) if sampled else ())),
                     k, args.repeats)
             triton_sampling.TILE = tiles[0]
+            anchors = torch.randint(0, v, (b,), device=dev, generator=gen)
+            for name, walk in (("walk_back_ms", True), ("walk_forward_ms", False)):
+                triton_sampling.WALK_BACK = walk
+                row[name] = graph_ms(lambda i: i or ops_triton.markov_drafts(base, anchors, w1, w, 1.0, None, *extra),
+                                     k, args.repeats)
+            triton_sampling.WALK_BACK = True
             shipped = row["fused_ms"][":".join(map(str, tiles[0]))]
             row["fused_over_two_kernel"] = shipped / row["two_kernel_ms"]
             row["fused_over_floor"] = shipped / floor

@@ -51,6 +51,7 @@ def kernels(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
         assert torch.equal(ops_triton.argmax(logits), ops_torch.argmax(logits)), "argmax"
         assert int(ops_triton.argmax(logits)[1]) == 17
     markov(device, dtype, gen)
+    markov_chain(device, dtype, gen)
     if device == "cpu":     # seeded Gumbel-max: the interpreter computes as PyTorch does (CUDA: test_dspark_gpu)
         logits = torch.randn(6, 3000, generator=gen) * 3
         temps = torch.tensor([0.0, 0.7, 1.3, 2.0, 0.0, 1.0])
@@ -179,6 +180,55 @@ def markov(device: str, dtype: torch.dtype, gen: torch.Generator, shapes=SHAPES)
             for sampling in ((), cold):
                 got = ops.markov_pick(wide, e, w, 1.0, *sampling).tolist()
                 assert got == [planted[0]] * 2, (ops.__name__, planted, got, bool(sampling))
+    # -0.0 ties +0.0 (a negative scale turns the zero bias into -0.0): the first column wins
+    wide.fill_(-4.0)
+    wide[:, 3], wide[:, 2 * block + 5] = -0.0, 0.0
+    for ops in (ops_torch, ops_triton):
+        assert ops.markov_pick(wide, e, w, -1.0).tolist() == [3, 3], ops.__name__
+
+
+def markov_chain(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """DSpark's Markov head over several steps (``markov_drafts``: each step's previous token read from
+    the step before, mapped to a target id) against a plain loop, in exact arithmetic: ``w1[t]`` is
+    one-hot at ``t % r`` and ``w2[v]`` one-hot at ``(5 v + 3) % r``, so step ``i + 1`` adds the
+    scale to the columns of one class, the class of step ``i``'s target id; the base logits are
+    distinct within a row. A wrong previous token, mapping or column block changes the drafts.
+    Greedy on any device; sampled (equal noise) under the interpreter."""
+    block = triton_sampling.TILE[0]
+    for rows, cols, rank, scale, mapped in ((6, 9 * block + 7, 16, 1.0, True), (70, 4 * block, 8, 0.5, False)):
+        k, extra = 5, 40
+        perm = torch.randperm(cols, generator=gen)
+        base = torch.stack([(perm.roll(3 * r + 7 * i) / cols * 0.5) for r in range(rows) for i in range(k)])
+        base = base.view(rows, k, cols).to(device=device, dtype=dtype)
+        d2t = torch.randint(0, extra, (cols,), generator=gen) if mapped else None
+        vt = cols + (extra if mapped else 0)
+        w1 = torch.nn.functional.one_hot(torch.arange(vt) % rank, rank).to(device=device, dtype=dtype)
+        w2 = torch.nn.functional.one_hot((torch.arange(cols) * 5 + 3) % rank, rank).to(device=device, dtype=dtype)
+        anchors = torch.randint(0, vt, (rows,), generator=gen)
+        want, prev = [], anchors.clone()                       # the plain loop, on the CPU
+        for i in range(k):
+            cls = (torch.arange(cols) * 5 + 3) % rank == (prev % rank)[:, None]
+            logits = base[:, i].cpu() + (cls * scale).to(dtype)
+            prev = logits.argmax(-1)
+            prev = prev if d2t is None else prev + d2t[prev]
+            want.append(prev)
+        want = torch.stack(want, 1)
+        m = None if d2t is None else d2t.to(device)
+        for ops in (ops_torch, ops_triton):
+            got = ops.markov_drafts(base, anchors.to(device), w1, w2, scale, m)
+            assert torch.equal(got.cpu(), want), (ops.__name__, rows, cols)
+        assert (want[:, 1:] != want[:, :1]).any(), "the chain moves"
+        temps = torch.tensor([0.0, 0.5, 1.0, 2.0, 0.0, 1.0, 0.5] * 10, device=device)[:rows]
+        seeds = torch.randint(-2**62, 2**62, (rows,), generator=gen).to(device)
+        lens = torch.randint(0, 100_000, (rows,), generator=gen, dtype=torch.int32).to(device)
+        keys = torch.arange(cols, device=device) * 3 + 1
+        sampled = [ops.markov_drafts(base, anchors.to(device), w1, w2, scale, m, temps, seeds, lens, keys).cpu()
+                   for ops in (ops_torch, ops_triton)]
+        cold = (temps == 0).cpu()
+        assert torch.equal(sampled[1][cold], want[cold]), "a cold row of a sampled batch drafts greedily"
+        assert (sampled[1][~cold] != want[~cold]).any(), "no hot row was sampled"
+        if device == "cpu":
+            assert torch.equal(sampled[1], sampled[0]), "markov_drafts sampled"
 
 
 def engines(device: str, dtype: str, gen: torch.Generator) -> None:

@@ -47,29 +47,35 @@ def dspark_drafts(fw: FusedWeights, heads: DSparkHeads, ops: Any, kv: torch.Tens
     if scale != 1.0:
         base = base * scale
     base = base.view(r, k, -1)
-    if cfg.draft_topk is not None:
-        values, index = base.topk(cfg.draft_topk, dim=-1)
-        dense = torch.full_like(base[:, 0], float("-inf"))
-    prev = batch.anchors.long()
-    drafts, embeds = [], []
-    for i in range(k):
-        e = F.embedding(prev, heads.markov_w1)                          # [R, r]
-        embeds.append(e)
-        if cfg.draft_topk is None:      # the bias GEMM, the sum and the pick: one pass (Triton)
-            pick = ops.markov_pick(base[:, i], e, heads.markov_w2, scale, batch.temperature, batch.seeds,
-                                   batch.ctx_lens, i, heads.target_ids)
-        else:
-            w = heads.markov_w2[index[:, i]]                            # [R, topk, r]
-            corrected = values[:, i].unsqueeze(-1).clone()
-            corrected.baddbmm_(w, e.unsqueeze(-1), beta=1.0, alpha=scale)
-            logits = dense.fill_(float("-inf")).scatter(1, index[:, i], corrected.squeeze(-1))
-            pick = ops.argmax(logits) if batch.temperature is None else ops.gumbel_argmax(
-                logits, batch.temperature, batch.seeds, batch.ctx_lens, i, heads.target_ids)
-        prev = to_target(fw, pick.view(r))
-        drafts.append(prev)
-    ids = torch.stack(drafts, dim=1)
+    anchors = batch.anchors.long()
+    if cfg.draft_topk is None:          # the bias GEMM, the sum and the pick: one pass a step (Triton)
+        ids = ops.markov_drafts(base, anchors, heads.markov_w1, heads.markov_w2, scale, fw.d2t,
+                                batch.temperature, batch.seeds, batch.ctx_lens, heads.target_ids)
+    else:
+        ids = _topk_drafts(fw, heads, ops, base, anchors, batch, cfg.draft_topk, scale)
     if heads.confidence_w is None:
         return ids, None
-    x = torch.cat([h, torch.stack(embeds, dim=1).flatten(0, 1)], -1) if cfg.confidence_with_markov else h
+    prevs = torch.cat([anchors[:, None], ids[:, :-1]], 1)                # each step's previous token
+    embeds = F.embedding(prevs, heads.markov_w1).flatten(0, 1)           # [R*k, r], (request, step)
+    x = torch.cat([h, embeds], -1) if cfg.confidence_with_markov else h
     conf = torch.sigmoid(F.linear(x.float(), heads.confidence_w, heads.confidence_b).squeeze(-1))
     return ids, conf.view(r, k)
+
+
+def _topk_drafts(fw: FusedWeights, heads: DSparkHeads, ops: Any, base: torch.Tensor, prev: torch.Tensor,
+                 batch: BlockBatch, topk: int, scale: float) -> torch.Tensor:
+    """``_sample_sequential_topk``: the bias added to the top-k base logits only."""
+    values, index = base.topk(topk, dim=-1)
+    dense = torch.full_like(base[:, 0], float("-inf"))
+    drafts = []
+    for i in range(base.shape[1]):
+        e = F.embedding(prev, heads.markov_w1)                          # [R, r]
+        w = heads.markov_w2[index[:, i]]                                # [R, topk, r]
+        corrected = values[:, i].unsqueeze(-1).clone()
+        corrected.baddbmm_(w, e.unsqueeze(-1), beta=1.0, alpha=scale)
+        logits = dense.fill_(float("-inf")).scatter(1, index[:, i], corrected.squeeze(-1))
+        pick = ops.argmax(logits) if batch.temperature is None else ops.gumbel_argmax(
+            logits, batch.temperature, batch.seeds, batch.ctx_lens, i, heads.target_ids)
+        prev = to_target(fw, pick.view(-1))
+        drafts.append(prev)
+    return torch.stack(drafts, dim=1)

@@ -84,6 +84,21 @@ def markov_pick(base: torch.Tensor, e: torch.Tensor, w: torch.Tensor, scale: flo
     return gumbel_argmax(logits, temperature, seeds, ctx_lens, step, keys)
 
 
+def markov_drafts(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  scale: float, d2t: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
+                  seeds: torch.Tensor | None = None, ctx_lens: torch.Tensor | None = None,
+                  keys: torch.Tensor | None = None) -> torch.Tensor:
+    """DSpark's Markov head over ``base [R, k, V]`` from ``anchors [R]`` (target ids): target ids
+    ``[R, k]`` (int64); step ``i`` picks with ``e = w1[prev]`` (:func:`markov_pick`), ``prev`` the
+    last draft mapped by ``d2t`` (draft id + offset)."""
+    prev, drafts = anchors.long(), []
+    for i in range(base.shape[1]):
+        pick = markov_pick(base[:, i], F.embedding(prev, w1), w2, scale, temperature, seeds, ctx_lens, i, keys)
+        prev = pick if d2t is None else pick + d2t[pick]
+        drafts.append(prev)
+    return torch.stack(drafts, dim=1) if drafts else anchors.new_empty(anchors.shape[0], 0, dtype=torch.int64)
+
+
 def store_context(kv_proj: torch.Tensor, k_norms: torch.Tensor, cos_sin: torch.Tensor,
                   positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
                   cfg: DFlashConfig) -> None:

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .config import DFlashConfig
 from .triton_attention import attention  # noqa: F401  (part of this backend)
-from .triton_sampling import argmax, gumbel_argmax, markov_pick  # noqa: F401  (part of this backend)
+from .triton_sampling import argmax, gumbel_argmax, markov_drafts, markov_pick  # noqa: F401  (part of this backend)
 
 
 def _pow2(n: int) -> bool:

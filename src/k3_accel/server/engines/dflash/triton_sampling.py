@@ -146,28 +146,44 @@ def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tenso
 
 
 # ------------------------------------------------------ DSpark's Markov step ---
-# ``pick(base + (e @ w.T) * scale)``: the bias is rounded to the dtype as F.linear stores it, its
-# scaled value and the sum as PyTorch would store them; nothing [R, V] is stored.
+# ``pick(base + (w1[prev] @ w2.T) * scale)``: the bias is rounded to the dtype as F.linear stores it,
+# its scaled value and the sum as PyTorch would store them; nothing [R, V] is stored.
 # One program per BLOCK columns and up to 64 rows: the bias weights are read once per step
 # (per 64 requests). TILE: (columns per program, warps, pipeline stages), as benchmarks/markov_step.py
-# measured them on the H200.
+# measured them on the H200. Each program folds its best column into one int64 per row with an
+# atomic max (the value's ordered bits above, the column's complement below: the first column wins
+# a tie, as torch.argmax picks), and the next step reads its previous token from there: a step is
+# one launch. WALK_BACK: odd steps take the column blocks from the last, so the blocks of ``w2`` the
+# previous step read last may still be in L2 (the H200: 30.4 against 32.4 us a step at B = 32,
+# greedy; the maxima each on its own 128-byte line measured no faster, 29.2: one line it is).
 TILE = (128, 4, 3)
+WALK_BACK = True
+_UNSET = -2**63                       # below every packed value
+_LOW = tl.constexpr(2**31 - 1)        # packed low half: _LOW - column
 
-@triton.jit(do_not_specialize=["step"])
-def _markov_chunks_kernel(base_ptr, e_ptr, w_ptr, t_ptr, seed_ptr, len_ptr, key_ptr, val_ptr, idx_ptr,
-                          step, n_rows, n_cols, base_stride, n_chunks, scale,
-                          ROWS: tl.constexpr, RANK: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
-                          SCALED: tl.constexpr, SAMPLED: tl.constexpr, HAS_KEYS: tl.constexpr,
-                          IEEE: tl.constexpr, SALT: tl.constexpr):
-    chunk = tl.program_id(0)
+
+@triton.jit(do_not_specialize=["step", "flip"])
+def _markov_kernel(base_ptr, prev_ptr, d2t_ptr, table_ptr, w_ptr, t_ptr, seed_ptr, len_ptr, key_ptr, best_ptr,
+                   step, flip, n_rows, n_cols, base_stride, n_chunks, prev_stride, best_stride, scale,
+                   ROWS: tl.constexpr, RANK: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
+                   PACKED_PREV: tl.constexpr, HAS_D2T: tl.constexpr, SCALED: tl.constexpr,
+                   SAMPLED: tl.constexpr, HAS_KEYS: tl.constexpr, IEEE: tl.constexpr, SALT: tl.constexpr):
+    pid = tl.program_id(0)
+    chunk = pid + flip * (n_chunks - 1 - 2 * pid)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     row_ok, col_ok = rows < n_rows, cols < n_cols
+    prev = tl.load(prev_ptr + rows * prev_stride, mask=row_ok, other=0).to(tl.int64)
+    if PACKED_PREV:                  # the previous step's packed best: its column, as a target id
+        prev = _LOW - (prev - ((prev >> 32) << 32))
+        if HAS_D2T:
+            prev += tl.load(d2t_ptr + prev, mask=row_ok, other=0).to(tl.int64)
     acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     for k0 in range(0, RANK, BK):
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < RANK
-        e = tl.load(e_ptr + rows[:, None] * RANK + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        e = tl.load(table_ptr + prev[:, None] * RANK + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * RANK + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
         if IEEE:
@@ -191,9 +207,39 @@ def _markov_chunks_kernel(base_ptr, e_ptr, w_ptr, t_ptr, seed_ptr, len_ptr, key_
             keys = cols[None, :]
         x = _gumbel_noised(x, t, seed, pos, keys)
     x = tl.where(ok, x, float("-inf"))
-    best, where = tl.max(x, axis=1, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(val_ptr + rows * n_chunks + chunk, best, mask=row_ok)
-    tl.store(idx_ptr + rows * n_chunks + chunk, chunk * BLOCK + where, mask=row_ok)
+    x = tl.where(x == 0.0, 0.0, x)                   # -0.0 ties +0.0, as in torch.argmax
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ordered as the floats are
+    packed = (bits.to(tl.int64) << 32) + (_LOW - cols[None, :].to(tl.int64))
+    tl.atomic_max(best_ptr + rows * best_stride, tl.max(packed, axis=1), mask=row_ok)
+
+
+def _unpack(best: torch.Tensor) -> torch.Tensor:
+    """Columns (int64) of packed maxima."""
+    return _LOW.value - (best & 0xFFFFFFFF)
+
+
+def _markov_step(base: torch.Tensor, prev: torch.Tensor, packed_prev: bool, table: torch.Tensor,
+                 w: torch.Tensor, scale: float, best: torch.Tensor, d2t: torch.Tensor | None,
+                 temperature: torch.Tensor | None, seeds: torch.Tensor | None,
+                 ctx_lens: torch.Tensor | None, step: int, keys: torch.Tensor | None) -> None:
+    """One launch: ``best [R]`` (filled with _UNSET, any stride) gets each row's packed pick of
+    ``base [R, V] + (table[prev] @ w.T) * scale``."""
+    n, cols = base.shape
+    rank = w.shape[1]
+    block, warps, stages = TILE
+    bk = min(64, max(16, triton.next_power_of_2(rank)))   # rank per dot (masked past the rank)
+    rows = min(64, max(16, triton.next_power_of_2(n)))    # requests per program (tl.dot: >= 16)
+    chunks = triton.cdiv(cols, block)
+    sampled = temperature is not None
+    _markov_kernel[(chunks, triton.cdiv(n, rows))](
+        base, prev, best if d2t is None else d2t, table, w, temperature if sampled else best,
+        seeds if sampled else best, ctx_lens if sampled else best, base if keys is None else keys, best,
+        step, step % 2 if WALK_BACK else 0, n, cols, base.stride(0), chunks, prev.stride(0),
+        best.stride(0), float(scale), ROWS=rows,
+        RANK=rank, BLOCK=block, BK=bk, PACKED_PREV=packed_prev, HAS_D2T=d2t is not None,
+        SCALED=scale != 1.0, SAMPLED=sampled, HAS_KEYS=keys is not None,
+        IEEE=base.dtype == torch.float32, SALT=SALT, num_warps=warps, num_stages=stages)
 
 
 def markov_pick(base: torch.Tensor, e: torch.Tensor, w: torch.Tensor, scale: float,
@@ -203,22 +249,27 @@ def markov_pick(base: torch.Tensor, e: torch.Tensor, w: torch.Tensor, scale: flo
     """One step of DSpark's Markov head: indices ``[R]`` (int64, draft vocabulary) of
     ``base [R, V] + (e [R, r] @ w [V, r].T) * scale``: the argmax, or with ``temperature`` the
     seeded sample of draft ``step`` (:func:`gumbel_argmax`'s keying)."""
-    n, cols = base.shape
-    rank = w.shape[1]
-    out = torch.empty(n, dtype=torch.int64, device=base.device)
-    if n == 0:
-        return out
-    block, warps, stages = TILE
-    bk = min(64, max(16, triton.next_power_of_2(rank)))   # rank per dot (masked past the rank)
-    rows = min(64, max(16, triton.next_power_of_2(n)))    # requests per program (tl.dot: >= 16)
-    chunks = triton.cdiv(cols, block)
-    vals, idx = _chunk_maxima(n, chunks, base.device)
-    sampled = temperature is not None
-    e, w = e.contiguous(), w.contiguous()
-    _markov_chunks_kernel[(chunks, triton.cdiv(n, rows))](
-        base, e, w, temperature if sampled else vals, seeds if sampled else vals,
-        ctx_lens if sampled else vals, base if keys is None else keys, vals, idx, step, n, cols,
-        base.stride(0), chunks, float(scale), ROWS=rows, RANK=rank,
-        BLOCK=block, BK=bk, SCALED=scale != 1.0, SAMPLED=sampled, HAS_KEYS=keys is not None,
-        IEEE=base.dtype == torch.float32, SALT=SALT, num_warps=warps, num_stages=stages)
-    return _first_max(vals, idx, out)
+    n = base.shape[0]
+    best = torch.full((n,), _UNSET, dtype=torch.int64, device=base.device)
+    if n:
+        _markov_step(base, torch.arange(n, device=base.device), False, e.contiguous(), w.contiguous(), scale,
+                     best, None, temperature, seeds, ctx_lens, step, keys)
+    return _unpack(best)
+
+
+def markov_drafts(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  scale: float, d2t: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
+                  seeds: torch.Tensor | None = None, ctx_lens: torch.Tensor | None = None,
+                  keys: torch.Tensor | None = None) -> torch.Tensor:
+    """DSpark's Markov head over ``base [R, k, V]`` from ``anchors [R]`` (target ids): target ids
+    ``[R, k]`` (int64), ``k`` launches (:func:`markov_pick` at each step, ``e = w1[prev]``,
+    ``prev`` the last draft mapped by ``d2t``)."""
+    r, k, _ = base.shape
+    best = torch.full((k, r), _UNSET, dtype=torch.int64, device=base.device)
+    if r:
+        w1, w2 = w1.contiguous(), w2.contiguous()
+        for i in range(k):
+            _markov_step(base[:, i], anchors if i == 0 else best[i - 1], i > 0, w1, w2, scale, best[i], d2t,
+                         temperature, seeds, ctx_lens, i, keys)
+    ids = _unpack(best).T
+    return ids if d2t is None else ids + d2t[ids]
