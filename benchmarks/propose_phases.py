@@ -6,7 +6,12 @@ the same engine and shape (K = 7, context 1,024, greedy), with ``time.perf_count
 (no profiler): ``host_inputs`` (the int32 input buffer), the pinned buffers, the replay call, and
 the whole propose to the event's wait; and the replay call alone three ways — the device idle,
 right after a host-to-device copy, and behind a long kernel — to tell the launch's own cost from
-waiting. Medians of ``--iters``. ``summary.ratio`` = host share / propose at the largest B. GPU only.
+waiting. Per propose also: the time before the replay call (``pre_replay``), the device's span from
+an event just before it to one after the outputs' copy (``device_span``; against ``graph_device``, the
+replays queued back to back) and what is left (``tail``: the wake-up after the device finishes).
+The wrappers add their own few microseconds. ``--sweep-engine`` builds the engine as ``draft_step_dspark.py``'s full sweep does (graphs of
+K = 7 and 15, batches to 64, contexts of 1,024 and 8,192 filled), whose host share ran higher.
+Medians of ``--iters``. ``summary.ratio`` = host share / propose at the largest B. GPU only.
 """
 from __future__ import annotations
 
@@ -51,6 +56,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--sweep-engine", action="store_true",
+                    help="the engine of draft_step_dspark.py's full sweep (K 7 and 15, B to 64, contexts 1,024 and 8,192)")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev, dtype, k, context = "cuda", torch.bfloat16, 7, 1024
@@ -58,14 +65,18 @@ def main() -> None:
     cfg = dspark_config(False, 256)
     weights, heads = random_weights(cfg, dev, dtype), random_heads(cfg, dev, dtype)
     row_bytes = 2 * cfg.num_layers * cfg.kv_size * torch.empty((), dtype=dtype).element_size()
-    engine = DSparkEngine.from_weights(weights, heads, budget_bytes=(max(batches) * context + 4096) * row_bytes,
-                                       max_batch=max(batches), graph_k=(k,))
-    hidden = torch.randn(context, cfg.context_width, device=dev).to(dtype)
-    states = fill(engine, max(batches), context, hidden)
+    most, ks, contexts = max(batches), (k,), (context,)
+    if args.sweep_engine:
+        most, ks, contexts = max(most, 64), (7, 15), (context, 8192)
+    engine = DSparkEngine.from_weights(weights, heads, budget_bytes=(most * sum(contexts) + 64 * 1024) * row_bytes,
+                                       max_batch=most, graph_k=ks)
+    hidden = torch.randn(max(contexts), cfg.context_width, device=dev).to(dtype)
+    states = [fill(engine, most, c, hidden) for c in contexts][0]
     runner, stream = engine.graphs, engine.stream
-    logs = {name: [] for name in ("host_inputs", "_host")}
+    logs = {name: [] for name in ("host_inputs", "_host", "run")}
     wrap(engine, "host_inputs", logs["host_inputs"])
     wrap(runner, "_host", logs["_host"])
+    wrap(runner, "run", logs["run"])
     busy = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
     table = []
     for b in batches:
@@ -74,14 +85,34 @@ def main() -> None:
             engine.propose(batch).wait()
         graph = runner.graphs[(next(x for x in runner.buckets if x >= b), k, 0)]
         replays: list = []
-        wrap(graph.graph, "replay", replays)
+        marks: dict = {}
+        replay = graph.graph.replay
+
+        def marked_replay():             # when the replay is called, and an event just before it
+            marks["entry"] = time.perf_counter()
+            marks["e0"] = torch.cuda.Event(enable_timing=True)
+            marks["e0"].record()
+            t = time.perf_counter()
+            replay()
+            replays.append(time.perf_counter() - t)
+        graph.graph.replay = marked_replay
         for log in logs.values():
             log.clear()
-        total = []
+        total, calls, waits, pre, span = [], [], [], [], []
         for _ in range(args.iters):
             t = time.perf_counter()
-            engine.propose(batch).wait()
+            proposal = engine.propose(batch)
+            u = time.perf_counter()
+            e1 = torch.cuda.Event(enable_timing=True)
+            e1.record(stream)
+            proposal.wait()
             total.append(time.perf_counter() - t)
+            calls.append(u - t)
+            waits.append(total[-1] - calls[-1])
+            pre.append(marks["entry"] - t)
+            e1.synchronize()
+            span.append(marks["e0"].elapsed_time(e1) / 1e3)
+        graph.graph.replay = replay
         with torch.cuda.stream(stream):
             device_ms = parts._events_ms(graph.graph.replay, 50)
         alone = {"idle": [], "after_copy": [], "behind_kernel": []}
@@ -100,7 +131,11 @@ def main() -> None:
         stream.synchronize()
         row = {"B": b, "propose_us": med_us(total), "graph_device_us": 1e3 * device_ms,
                "host_share_us": med_us(total) - 1e3 * device_ms,
-               "replay_in_propose_us": med_us(replays), "host_inputs_us": med_us(logs["host_inputs"]),
+               # before the replay call; the device from just before it to after the outputs' copy; the rest
+               "pre_replay_us": med_us(pre), "device_span_us": med_us(span),
+               "tail_us": med_us([a - b - c for a, b, c in zip(total, pre, span)]),
+               "propose_call_us": med_us(calls), "wait_us": med_us(waits), "run_us": med_us(logs["run"]),
+               "width": runner.width, "replay_in_propose_us": med_us(replays), "host_inputs_us": med_us(logs["host_inputs"]),
                "pinned_buffers_us": 2 * med_us(logs["_host"]),
                **{f"replay_{how}_us": med_us(log) for how, log in alone.items()}}
         table.append(row)
