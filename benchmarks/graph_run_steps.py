@@ -1,0 +1,88 @@
+"""Each host step of one DSpark graph propose (``GraphRunner.run``'s body, step by step), timed.
+
+``propose_phases.py`` found most of a B = 32 propose's host time before the replay call outside
+``host_inputs`` and the pinned buffers. This repeats ``run``'s steps for a greedy batch with a
+timer between each (medians of ``--iters``), and says whether the input buffer is pinned. GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+if SRC not in sys.path:
+    sys.path.insert(0, SRC)
+
+from draft_step import fill, random_weights  # noqa: E402
+from draft_step_dspark import dspark_config, random_heads  # noqa: E402
+from report import emit  # noqa: E402
+from k3_accel.server.engines.base import ProposeBatch  # noqa: E402
+from k3_accel.server.engines.dflash import DSparkEngine  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev, dtype, k, context = "cuda", torch.bfloat16, 7, 1024
+    batches = [int(b) for b in args.batches.split(",")]
+    cfg = dspark_config(False, 256)
+    weights, heads = random_weights(cfg, dev, dtype), random_heads(cfg, dev, dtype)
+    row_bytes = 2 * cfg.num_layers * cfg.kv_size * torch.empty((), dtype=dtype).element_size()
+    engine = DSparkEngine.from_weights(weights, heads, budget_bytes=(max(batches) * context + 4096) * row_bytes,
+                                       max_batch=max(batches), graph_k=(k,))
+    hidden = torch.randn(context, cfg.context_width, device=dev).to(dtype)
+    states = fill(engine, max(batches), context, hidden)
+    runner, stream = engine.graphs, engine.stream
+    table = []
+    for b in batches:
+        batch = ProposeBatch(states[:b], [[]] * b, torch.arange(b) * 7 + 3, k)
+        for _ in range(5):
+            engine.propose(batch).wait()
+        bucket = next(x for x in runner.buckets if x >= b)
+        g = runner.graphs[(bucket, k, 0)]
+        h, base = g.head, bucket * (2 + runner.width)
+        anchors = batch.anchors.cpu()
+        names = ["_host", "numpy", "host_inputs", "sampled", "copy_in", "replay", "_host out", "copy_out",
+                 "event", "wait"]
+        laps = {n: [] for n in names}
+        pinned = None
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(args.iters):
+                t = [time.perf_counter()]
+                host = runner._host(g.inputs.shape[0]); t.append(time.perf_counter())
+                buf = host.numpy(); t.append(time.perf_counter())
+                engine.host_inputs(anchors, batch.states, bucket, runner.width, out=buf[h:h + base])
+                t.append(time.perf_counter())
+                buf[:h] = 0; t.append(time.perf_counter())
+                g.inputs.copy_(host, non_blocking=True); t.append(time.perf_counter())
+                g.graph.replay(); t.append(time.perf_counter())
+                out = runner._host(g.out.shape[0]); t.append(time.perf_counter())
+                out.copy_(g.out, non_blocking=True); t.append(time.perf_counter())
+                done = torch.cuda.Event(); done.record(stream); t.append(time.perf_counter())
+                done.synchronize(); t.append(time.perf_counter())
+                for n, a, z in zip(names, t, t[1:]):
+                    laps[n].append(z - a)
+                pinned = host.is_pinned()
+        row = {"B": b, "width": runner.width, "input_bytes": 4 * g.inputs.shape[0], "pinned": pinned,
+               **{n: round(1e6 * statistics.median(v), 1) for n, v in laps.items()}}
+        table.append(row)
+        print(row, flush=True)
+    last = table[-1]
+    before = sum(last[n] for n in ("_host", "numpy", "host_inputs", "sampled", "copy_in"))
+    emit({"benchmark": "graph_run_steps", "table": table, "summary": {
+        "metric": f"host time of run()'s steps before the replay / the replay's wait, B={last['B']}",
+        "ratio": before / last["wait"], "goal": "diagnosis (issue 22: the host's share)",
+        "machine": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat()}}, args.out)
+
+
+if __name__ == "__main__":
+    main()
