@@ -19,11 +19,9 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 if SRC not in sys.path:
     sys.path.insert(0, SRC)
 
-from draft_step import fill, random_weights  # noqa: E402
-from draft_step_dspark import dspark_config, random_heads  # noqa: E402
+from propose_phases import build  # noqa: E402
 from report import emit  # noqa: E402
 from k3_accel.server.engines.base import ProposeBatch  # noqa: E402
-from k3_accel.server.engines.dflash import DSparkEngine  # noqa: E402
 
 
 def main() -> None:
@@ -32,15 +30,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--out")
     args = ap.parse_args()
-    dev, dtype, k, context = "cuda", torch.bfloat16, 7, 1024
+    k = 7
     batches = [int(b) for b in args.batches.split(",")]
-    cfg = dspark_config(False, 256)
-    weights, heads = random_weights(cfg, dev, dtype), random_heads(cfg, dev, dtype)
-    row_bytes = 2 * cfg.num_layers * cfg.kv_size * torch.empty((), dtype=dtype).element_size()
-    engine = DSparkEngine.from_weights(weights, heads, budget_bytes=(max(batches) * context + 4096) * row_bytes,
-                                       max_batch=max(batches), graph_k=(k,))
-    hidden = torch.randn(context, cfg.context_width, device=dev).to(dtype)
-    states = fill(engine, max(batches), context, hidden)
+    engine, states = build(batches)
     runner, stream = engine.graphs, engine.stream
     table = []
     for b in batches:

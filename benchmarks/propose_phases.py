@@ -52,6 +52,23 @@ def med_us(xs: list) -> float:
     return 1e6 * statistics.median(xs) if xs else float("nan")
 
 
+def build(batches: list[int], sweep: bool = False) -> tuple[DSparkEngine, list]:
+    """The Qwen3-8B-like DSpark engine (bf16, graphs of K = 7) and requests of context 1,024, as many as
+    the largest batch; ``sweep``: as ``draft_step_dspark.py``'s full sweep builds it (K 7 and 15,
+    batches to 64, contexts of 1,024 and 8,192 filled)."""
+    dev, dtype = "cuda", torch.bfloat16
+    cfg = dspark_config(False, 256)
+    weights, heads = random_weights(cfg, dev, dtype), random_heads(cfg, dev, dtype)
+    row_bytes = 2 * cfg.num_layers * cfg.kv_size * torch.empty((), dtype=dtype).element_size()
+    most, ks, contexts = max(batches), (7,), (1024,)
+    if sweep:
+        most, ks, contexts = max(most, 64), (7, 15), (1024, 8192)
+    engine = DSparkEngine.from_weights(weights, heads, budget_bytes=(most * sum(contexts) + 64 * 1024) * row_bytes,
+                                       max_batch=most, graph_k=ks)
+    hidden = torch.randn(max(contexts), cfg.context_width, device=dev).to(dtype)
+    return engine, [fill(engine, most, c, hidden) for c in contexts][0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,32")
@@ -60,18 +77,9 @@ def main() -> None:
                     help="the engine of draft_step_dspark.py's full sweep (K 7 and 15, B to 64, contexts 1,024 and 8,192)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    dev, dtype, k, context = "cuda", torch.bfloat16, 7, 1024
+    dev, k, context = "cuda", 7, 1024
     batches = [int(b) for b in args.batches.split(",")]
-    cfg = dspark_config(False, 256)
-    weights, heads = random_weights(cfg, dev, dtype), random_heads(cfg, dev, dtype)
-    row_bytes = 2 * cfg.num_layers * cfg.kv_size * torch.empty((), dtype=dtype).element_size()
-    most, ks, contexts = max(batches), (k,), (context,)
-    if args.sweep_engine:
-        most, ks, contexts = max(most, 64), (7, 15), (context, 8192)
-    engine = DSparkEngine.from_weights(weights, heads, budget_bytes=(most * sum(contexts) + 64 * 1024) * row_bytes,
-                                       max_batch=most, graph_k=ks)
-    hidden = torch.randn(max(contexts), cfg.context_width, device=dev).to(dtype)
-    states = [fill(engine, most, c, hidden) for c in contexts][0]
+    engine, states = build(batches, args.sweep_engine)
     runner, stream = engine.graphs, engine.stream
     logs = {name: [] for name in ("host_inputs", "_host", "run")}
     wrap(engine, "host_inputs", logs["host_inputs"])

@@ -164,7 +164,7 @@ _LOW = tl.constexpr(2**31 - 1)        # packed low half: _LOW - column
 
 @triton.jit(do_not_specialize=["step", "flip"])
 def _markov_kernel(base_ptr, prev_ptr, d2t_ptr, table_ptr, w_ptr, t_ptr, seed_ptr, len_ptr, key_ptr, best_ptr,
-                   step, flip, n_rows, n_cols, base_stride, n_chunks, prev_stride, best_stride, scale,
+                   step, flip, n_rows, n_cols, base_stride, n_chunks, prev_stride, scale,
                    ROWS: tl.constexpr, RANK: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
                    PACKED_PREV: tl.constexpr, HAS_D2T: tl.constexpr, SCALED: tl.constexpr,
                    SAMPLED: tl.constexpr, HAS_KEYS: tl.constexpr, IEEE: tl.constexpr, SALT: tl.constexpr):
@@ -211,7 +211,7 @@ def _markov_kernel(base_ptr, prev_ptr, d2t_ptr, table_ptr, w_ptr, t_ptr, seed_pt
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ordered as the floats are
     packed = (bits.to(tl.int64) << 32) + (_LOW - cols[None, :].to(tl.int64))
-    tl.atomic_max(best_ptr + rows * best_stride, tl.max(packed, axis=1), mask=row_ok)
+    tl.atomic_max(best_ptr + rows, tl.max(packed, axis=1), mask=row_ok)
 
 
 def _unpack(best: torch.Tensor) -> torch.Tensor:
@@ -223,7 +223,7 @@ def _markov_step(base: torch.Tensor, prev: torch.Tensor, packed_prev: bool, tabl
                  w: torch.Tensor, scale: float, best: torch.Tensor, d2t: torch.Tensor | None,
                  temperature: torch.Tensor | None, seeds: torch.Tensor | None,
                  ctx_lens: torch.Tensor | None, step: int, keys: torch.Tensor | None) -> None:
-    """One launch: ``best [R]`` (filled with _UNSET, any stride) gets each row's packed pick of
+    """One launch: ``best [R]`` (contiguous, filled with _UNSET) gets each row's packed pick of
     ``base [R, V] + (table[prev] @ w.T) * scale``."""
     n, cols = base.shape
     rank = w.shape[1]
@@ -236,7 +236,7 @@ def _markov_step(base: torch.Tensor, prev: torch.Tensor, packed_prev: bool, tabl
         base, prev, best if d2t is None else d2t, table, w, temperature if sampled else best,
         seeds if sampled else best, ctx_lens if sampled else best, base if keys is None else keys, best,
         step, step % 2 if WALK_BACK else 0, n, cols, base.stride(0), chunks, prev.stride(0),
-        best.stride(0), float(scale), ROWS=rows,
+        float(scale), ROWS=rows,
         RANK=rank, BLOCK=block, BK=bk, PACKED_PREV=packed_prev, HAS_D2T=d2t is not None,
         SCALED=scale != 1.0, SAMPLED=sampled, HAS_KEYS=keys is not None,
         IEEE=base.dtype == torch.float32, SALT=SALT, num_warps=warps, num_stages=stages)
