@@ -44,7 +44,7 @@ if SRC not in sys.path:
 from report import emit  # noqa: E402  (benchmarks/report.py)
 from draft_step import config, fill, propose_weight_bytes, random_weights, timed  # noqa: E402
 from k3_accel.server.engines.base import ProposeBatch  # noqa: E402
-from k3_accel.server.engines.dflash import DSparkEngine  # noqa: E402
+from k3_accel.server.engines.dflash import DSparkEngine, triton_sampling  # noqa: E402
 from k3_accel.server.engines.dflash.dspark_config import DSparkConfig  # noqa: E402
 from k3_accel.server.engines.dflash.dspark_weights import DSparkHeads  # noqa: E402
 
@@ -95,8 +95,11 @@ def main() -> None:
     ap.add_argument("--markov-rank", type=int, default=256)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--main", action="store_true", help="only the summary's points (K = 7, context 1,024, B = 1, 8, 32)")
+    ap.add_argument("--markov-tile", help="the Markov kernel's tile, BLOCK:WARPS:STAGES:PER_SM (default: as shipped)")
     ap.add_argument("--out", help="write the JSON document here too")
     args = ap.parse_args()
+    if args.markov_tile:
+        triton_sampling.TILE = tuple(int(x) for x in args.markov_tile.split(":"))
     dev, cuda = args.device, args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -163,7 +166,7 @@ def main() -> None:
                    "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
                    "aux_layers": cfg.num_aux, "block_size": cfg.block_size, "markov_rank": cfg.markov_rank,
                    "confidence_head": "[hidden | markov]", "sample_from_anchor": True, "dtype": str(dtype),
-                   "kernels": engine.ops.__name__.rsplit(".", 1)[-1],
+                   "kernels": engine.ops.__name__.rsplit(".", 1)[-1], "markov_tile": triton_sampling.TILE,
                    "graph_buckets": engine.graphs.buckets if engine.graphs else None, "smoke": args.smoke},
         "bandwidth": bw,
         "table": table,

@@ -9,11 +9,13 @@ argmax, or the seeded Gumbel-max sample at temperature 1).
   Gumbel-max pass over it (the engine's step before the fused kernel, as ``ops_torch.markov_pick``
   composes it, with the Triton pick);
 * ``fused``: ``ops_triton.markov_pick`` (one pass over ``markov_w2``; nothing ``[R, V]`` stored),
-  for each ``--tiles`` entry (columns per program, warps, stages; the first is the shipped one);
+  for each ``--tiles`` entry (columns per block, warps, stages, programs per SM; the first is the
+  shipped one);
 * ``floor``: ``markov_w2``'s bytes plus the base logits' bytes / copy bandwidth measured here;
 * ``head``: ``ops_triton.markov_drafts``, the engine's whole Markov head (each step's token read
   from the step before, ``e = w1[prev]`` gathered in the kernel), per step, with odd steps walking
-  the columns backwards (``walk_back``, as shipped) and without (``walk_forward``).
+  the columns backwards (``head_ms`` for each tile; ``walk_back``, the shipped tile) and without
+  (``walk_forward``, the shipped tile).
 
 Each is K = 7 steps captured in one CUDA graph, replayed (device time by CUDA events, median of
 ``--repeats``), per step. ``summary.ratio`` = worst over R in {1, 8, 32, 64} and greedy/sampled of
@@ -80,7 +82,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=256)
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--tiles", default="128:4:3,64:4:3,256:8:3,128:8:4,64:2:4")
+    ap.add_argument("--tiles", default="128:4:3:2,64:4:3:2,64:4:4:2,128:4:2:1,128:8:3:1,32:4:4:3,64:8:3:2")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -109,17 +111,23 @@ def main() -> None:
 
             row = {"B": b, "sampled": sampled, "floor_ms": floor,
                    "two_kernel_ms": graph_ms(two_kernel, k, args.repeats), "fused_ms": {}}
+            anchors = torch.randint(0, v, (b,), device=dev, generator=gen)
+
+            def head(i):
+                return i or ops_triton.markov_drafts(base, anchors, w1, w, 1.0, None, *extra)
+
+            row["head_ms"] = {}
             for tile in tiles:
                 triton_sampling.TILE = tile
-                row["fused_ms"][":".join(map(str, tile))] = graph_ms(
+                name = ":".join(map(str, tile))
+                row["fused_ms"][name] = graph_ms(
                     lambda i: ops_triton.markov_pick(base[:, i], e, w, 1.0, *extra, *((i,) if sampled else ())),
                     k, args.repeats)
+                row["head_ms"][name] = graph_ms(head, k, args.repeats)      # walking back, as shipped
             triton_sampling.TILE = tiles[0]
-            anchors = torch.randint(0, v, (b,), device=dev, generator=gen)
-            for name, walk in (("walk_back_ms", True), ("walk_forward_ms", False)):
-                triton_sampling.WALK_BACK = walk
-                row[name] = graph_ms(lambda i: i or ops_triton.markov_drafts(base, anchors, w1, w, 1.0, None, *extra),
-                                     k, args.repeats)
+            row["walk_back_ms"] = row["head_ms"][":".join(map(str, tiles[0]))]
+            triton_sampling.WALK_BACK = False
+            row["walk_forward_ms"] = graph_ms(head, k, args.repeats)
             triton_sampling.WALK_BACK = True
             shipped = row["fused_ms"][":".join(map(str, tiles[0]))]
             row["fused_over_two_kernel"] = shipped / row["two_kernel_ms"]

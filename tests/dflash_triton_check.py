@@ -195,7 +195,8 @@ def markov_chain(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
     distinct within a row. A wrong previous token, mapping or column block changes the drafts.
     Greedy on any device; sampled (equal noise) under the interpreter."""
     block = triton_sampling.TILE[0]
-    for rows, cols, rank, scale, mapped in ((6, 9 * block + 7, 16, 1.0, True), (70, 4 * block, 8, 0.5, False)):
+    for rows, cols, rank, scale, mapped in ((6, 9 * block + 7, 16, 1.0, True), (70, 4 * block, 8, 0.5, False),
+                                            (5, 2 * block + 3, 300, 1.0, True)):   # past one dot's rank
         k, extra = 5, 40
         perm = torch.randperm(cols, generator=gen)
         base = torch.stack([(perm.roll(3 * r + 7 * i) / cols * 0.5) for r in range(rows) for i in range(k)])

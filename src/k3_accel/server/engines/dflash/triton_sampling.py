@@ -5,6 +5,8 @@ the bias weights). Same numerics as :mod:`.ops_torch`; part of the :mod:`.ops_tr
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -148,70 +150,87 @@ def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tenso
 # ------------------------------------------------------ DSpark's Markov step ---
 # ``pick(base + (w1[prev] @ w2.T) * scale)``: the bias is rounded to the dtype as F.linear stores it,
 # its scaled value and the sum as PyTorch would store them; nothing [R, V] is stored.
-# One program per BLOCK columns and up to 64 rows: the bias weights are read once per step
-# (per 64 requests). TILE: (columns per program, warps, pipeline stages), as benchmarks/markov_step.py
-# measured them on the H200. Each program folds its best column into one int64 per row with an
-# atomic max (the value's ordered bits above, the column's complement below: the first column wins
-# a tie, as torch.argmax picks), and the next step reads its previous token from there: a step is
-# one launch. WALK_BACK: odd steps take the column blocks from the last, so the blocks of ``w2`` the
-# previous step read last may still be in L2 (the H200: 30.4 against 32.4 us a step at B = 32,
-# greedy; the maxima each on its own 128-byte line measured no faster, 29.2: one line it is).
-TILE = (128, 4, 3)
+# Persistent: a few programs per SM (TILE: columns per block, warps, pipeline stages, programs per
+# SM), each with up to 64 requests, walk the column blocks ``pid, pid + programs, ..``: the
+# gathered ``w1`` rows are loaded once per program, the next blocks' ``w2`` loads are in flight while
+# a block is picked (its noise drawn), and each program folds its rows' best into the running
+# maximum it keeps, then into one int64 per row with one atomic max (the value's ordered bits above,
+# the column's complement below: the first column wins a tie, as torch.argmax picks). The next step
+# reads its previous token from there: a step is one launch. WALK_BACK: odd steps take the column
+# blocks from the last, so the blocks of ``w2`` the previous step read last may still be in L2.
+# Programs whose rows all draft greedily draw no noise. TILE as benchmarks/markov_step.py measured
+# it (an H100, B = 32, a step: 34.1 us greedy and 39.1 sampled, against 34.1 and 47.2 for the
+# kernel of one program per column block).
+TILE = (32, 4, 3, 4)
 WALK_BACK = True
 _UNSET = -2**63                       # below every packed value
 _LOW = tl.constexpr(2**31 - 1)        # packed low half: _LOW - column
+_RANK_CHUNK = 256                     # rank per dot; a wider rank reloads its w1 rows per block
+_STAGED_BYTES = 2**17                 # at most this much of w in flight per program (shared memory)
 
 
 @triton.jit(do_not_specialize=["step", "flip"])
 def _markov_kernel(base_ptr, prev_ptr, d2t_ptr, table_ptr, w_ptr, t_ptr, seed_ptr, len_ptr, key_ptr, best_ptr,
-                   step, flip, n_rows, n_cols, base_stride, n_chunks, prev_stride, scale,
+                   step, flip, n_rows, n_cols, base_stride, n_chunks, n_programs, prev_stride, scale,
                    ROWS: tl.constexpr, RANK: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
                    PACKED_PREV: tl.constexpr, HAS_D2T: tl.constexpr, SCALED: tl.constexpr,
                    SAMPLED: tl.constexpr, HAS_KEYS: tl.constexpr, IEEE: tl.constexpr, SALT: tl.constexpr):
-    pid = tl.program_id(0)
-    chunk = pid + flip * (n_chunks - 1 - 2 * pid)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    row_ok, col_ok = rows < n_rows, cols < n_cols
+    row_ok = rows < n_rows
     prev = tl.load(prev_ptr + rows * prev_stride, mask=row_ok, other=0).to(tl.int64)
     if PACKED_PREV:                  # the previous step's packed best: its column, as a target id
         prev = _LOW - (prev - ((prev >> 32) << 32))
         if HAS_D2T:
             prev += tl.load(d2t_ptr + prev, mask=row_ok, other=0).to(tl.int64)
-    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-    for k0 in range(0, RANK, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_ok = ks < RANK
-        e = tl.load(table_ptr + prev[:, None] * RANK + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * RANK + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        if IEEE:
-            acc = tl.dot(e, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(e, tl.trans(w), acc)
-    dt = base_ptr.dtype.element_ty
-    y = acc.to(dt)
-    if SCALED:
-        y = (y.to(tl.float32) * scale).to(dt)
-    ok = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(base_ptr + rows[:, None].to(tl.int64) * base_stride + cols[None, :], mask=ok, other=0.0)
-    x = (x.to(tl.float32) + y.to(tl.float32)).to(dt).to(tl.float32)
+    ks0 = tl.arange(0, BK)
+    e0 = tl.load(table_ptr + prev[:, None] * RANK + ks0[None, :], mask=row_ok[:, None] & (ks0 < RANK)[None, :],
+                 other=0.0)
     if SAMPLED:
         t = tl.load(t_ptr + rows, mask=row_ok, other=0.0)[:, None]
         seed = tl.load(seed_ptr + rows, mask=row_ok, other=0)[:, None] ^ (tl.cast(step, tl.int64) << 32)
         pos = tl.load(len_ptr + rows, mask=row_ok, other=0).to(tl.int64)[:, None] + step + SALT
-        if HAS_KEYS:
-            keys = tl.load(key_ptr + cols, mask=col_ok, other=0)[None, :]
-        else:
-            keys = cols[None, :]
-        x = _gumbel_noised(x, t, seed, pos, keys)
-    x = tl.where(ok, x, float("-inf"))
-    x = tl.where(x == 0.0, 0.0, x)                   # -0.0 ties +0.0, as in torch.argmax
-    bits = x.to(tl.int32, bitcast=True)
-    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ordered as the floats are
-    packed = (bits.to(tl.int64) << 32) + (_LOW - cols[None, :].to(tl.int64))
-    tl.atomic_max(best_ptr + rows, tl.max(packed, axis=1), mask=row_ok)
+        hot = tl.max((t != 0.0).to(tl.int32)) != 0      # no noise for rows that all draft greedily
+    dt = base_ptr.dtype.element_ty
+    best = tl.full([ROWS], -2**63, dtype=tl.int64)
+    for c in range(tl.program_id(0), n_chunks, n_programs):
+        chunk = c + flip * (n_chunks - 1 - 2 * c)
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
+        col_ok = cols < n_cols
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for k0 in tl.static_range(0, RANK, BK):
+            ks = k0 + ks0
+            k_ok = ks < RANK
+            if k0 == 0:
+                e = e0
+            else:
+                e = tl.load(table_ptr + prev[:, None] * RANK + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * RANK + ks[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(e, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(e, tl.trans(w), acc)
+        y = acc.to(dt)
+        if SCALED:
+            y = (y.to(tl.float32) * scale).to(dt)
+        ok = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(base_ptr + rows[:, None].to(tl.int64) * base_stride + cols[None, :], mask=ok, other=0.0)
+        x = (x.to(tl.float32) + y.to(tl.float32)).to(dt).to(tl.float32)
+        if SAMPLED:
+            if hot:
+                if HAS_KEYS:
+                    keys = tl.load(key_ptr + cols, mask=col_ok, other=0)[None, :]
+                else:
+                    keys = cols[None, :]
+                x = _gumbel_noised(x, t, seed, pos, keys)
+        x = tl.where(ok, x, float("-inf"))
+        x = tl.where(x == 0.0, 0.0, x)                   # -0.0 ties +0.0, as in torch.argmax
+        bits = x.to(tl.int32, bitcast=True)
+        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ordered as the floats are
+        packed = (bits.to(tl.int64) << 32) + (_LOW - cols[None, :].to(tl.int64))
+        best = tl.maximum(best, tl.max(packed, axis=1))
+    tl.atomic_max(best_ptr + rows, best, mask=row_ok)
 
 
 def _unpack(best: torch.Tensor) -> torch.Tensor:
@@ -227,19 +246,34 @@ def _markov_step(base: torch.Tensor, prev: torch.Tensor, packed_prev: bool, tabl
     ``base [R, V] + (table[prev] @ w.T) * scale``."""
     n, cols = base.shape
     rank = w.shape[1]
-    block, warps, stages = TILE
-    bk = min(64, max(16, triton.next_power_of_2(rank)))   # rank per dot (masked past the rank)
+    block, warps, stages, per_sm = TILE
+    bk = min(_RANK_CHUNK, max(16, triton.next_power_of_2(rank)))   # rank per dot (masked past the rank)
+    while block > 16 and stages * block * triton.cdiv(rank, bk) * bk * w.element_size() > _STAGED_BYTES:
+        block //= 2                           # the staged blocks of w fit in shared memory
     rows = min(64, max(16, triton.next_power_of_2(n)))    # requests per program (tl.dot: >= 16)
     chunks = triton.cdiv(cols, block)
+    programs = min(chunks, per_sm * _processors(base.device))
     sampled = temperature is not None
-    _markov_kernel[(chunks, triton.cdiv(n, rows))](
+    _markov_kernel[(programs, triton.cdiv(n, rows))](
         base, prev, best if d2t is None else d2t, table, w, temperature if sampled else best,
         seeds if sampled else best, ctx_lens if sampled else best, base if keys is None else keys, best,
-        step, step % 2 if WALK_BACK else 0, n, cols, base.stride(0), chunks, prev.stride(0),
+        step, step % 2 if WALK_BACK else 0, n, cols, base.stride(0), chunks, programs, prev.stride(0),
         float(scale), ROWS=rows,
         RANK=rank, BLOCK=block, BK=bk, PACKED_PREV=packed_prev, HAS_D2T=d2t is not None,
         SCALED=scale != 1.0, SAMPLED=sampled, HAS_KEYS=keys is not None,
         IEEE=base.dtype == torch.float32, SALT=SALT, num_warps=warps, num_stages=stages)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 2 elsewhere (the interpreter: a program walks
+    several column blocks)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 2
 
 
 def markov_pick(base: torch.Tensor, e: torch.Tensor, w: torch.Tensor, scale: float,
