@@ -2,7 +2,8 @@
 
 ``propose_phases.py`` found most of a B = 32 propose's host time before the replay call outside
 ``host_inputs`` and the pinned buffers. This repeats ``run``'s steps for a greedy batch with a
-timer between each (medians of ``--iters``), and says whether the input buffer is pinned. GPU only.
+timer between each (medians of ``--iters``), and says whether the input buffer is pinned; then
+``propose``'s own steps around ``run`` the same way (``propose``). GPU only.
 """
 from __future__ import annotations
 
@@ -21,7 +22,30 @@ if SRC not in sys.path:
 
 from propose_phases import build  # noqa: E402
 from report import emit  # noqa: E402
-from k3_accel.server.engines.base import ProposeBatch  # noqa: E402
+from k3_accel.server.engines.base import Proposal, ProposeBatch  # noqa: E402
+
+
+def propose_steps(engine, batch, iters: int) -> dict:
+    """``DFlashEngine.propose``'s own steps around ``run`` (its body repeated with a timer between
+    each), then the proposal's wait and a device synchronize (as draft_step.py times a propose):
+    median microseconds of each."""
+    names = ["inference_mode", "ensure_positions", "anchors", "on_device", "run", "proposal", "exit",
+             "wait", "synchronize"]
+    laps = {n: [] for n in names}
+    for _ in range(iters):
+        t = [time.perf_counter()]
+        mode = torch.inference_mode(); mode.__enter__(); t.append(time.perf_counter())
+        engine._ensure_positions(max(s.length for s in batch.states) + batch.k + 1); t.append(time.perf_counter())
+        anchors = batch.anchors.reshape(-1).cpu(); t.append(time.perf_counter())
+        ctx = engine._on_device(); ctx.__enter__(); t.append(time.perf_counter())
+        tokens = engine.graphs.run(anchors, batch.states, batch.k, batch); t.append(time.perf_counter())
+        out = Proposal(tokens[0], ready=tokens[1], confidence=tokens[2]); t.append(time.perf_counter())
+        ctx.__exit__(None, None, None); mode.__exit__(None, None, None); t.append(time.perf_counter())
+        out.wait(); t.append(time.perf_counter())
+        torch.cuda.synchronize(); t.append(time.perf_counter())
+        for n, a, z in zip(names, t, t[1:]):
+            laps[n].append(z - a)
+    return {n: round(1e6 * statistics.median(v), 1) for n, v in laps.items()}
 
 
 def main() -> None:
@@ -65,7 +89,8 @@ def main() -> None:
                     laps[n].append(z - a)
                 pinned = host.is_pinned()
         row = {"B": b, "width": runner.width, "input_bytes": 4 * g.inputs.shape[0], "pinned": pinned,
-               **{n: round(1e6 * statistics.median(v), 1) for n, v in laps.items()}}
+               **{n: round(1e6 * statistics.median(v), 1) for n, v in laps.items()},
+               "propose": propose_steps(engine, batch, args.iters)}
         table.append(row)
         print(row, flush=True)
     last = table[-1]

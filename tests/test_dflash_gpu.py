@@ -11,6 +11,7 @@ import torch
 
 import dflash_triton_check
 from dflash_support import Mirror, checkpoint, random_rows, reference
+from k3_accel.server.engines.base import ProposeBatch
 from k3_accel.server.engines.dflash import DFlashEngine
 from k3_accel.testing.dflash_reference import DFlashReference
 from k3_accel.testing.precision import check_drafts, check_logits, clear_positions, logit_tolerance
@@ -111,6 +112,29 @@ def test_other_threads_and_stream_order(bf16):
     assert torch.equal(here, there["tokens"])
     stats = bf16.stats()
     assert stats["propose_batch"] == 2 and stats["ingest_rows"] == 25
+    for s in states:
+        m.release(s)
+
+
+def test_replays_in_flight_keep_their_own_inputs_and_the_callers_stream(bf16):
+    """Two proposes of one graph launched before either is read, behind a long kernel on the
+    engine's stream (so the first one's input copy has not run when the second fills its
+    inputs): each gets the drafts it gets alone. Afterwards the caller's stream (a side
+    stream here) is current again, after ingest and propose alike."""
+    m, states = _setup(bf16, (40, 23, 57), seed=5)
+    alone = [m.propose(states, anchors, 7, logits="none").tokens for anchors in ([1, 2, 3], [40, 50, 60])]
+    assert not torch.equal(alone[0], alone[1])                # the two batches draft differently
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with torch.cuda.stream(bf16.stream):
+            torch.cuda._sleep(200_000_000)                    # about 0.1 s of device time
+        pending = [bf16.propose(ProposeBatch(states, [[]] * 3, torch.tensor(anchors), 7))
+                   for anchors in ([1, 2, 3], [40, 50, 60])]
+        assert torch.cuda.current_stream() == side
+        m.ingest([(states[1], 23, random_rows(torch.Generator().manual_seed(6), 2))])
+        assert torch.cuda.current_stream() == side
+    for proposal, want in zip(pending, alone):
+        assert torch.equal(proposal.wait().tokens, want)
     for s in states:
         m.release(s)
 

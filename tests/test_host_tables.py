@@ -20,7 +20,7 @@ def test_a_growing_table_keeps_its_first_blocks(step):
         table.blocks.extend(int(b) for b in rng.integers(0, 10_000, size=step))
         tables.update(table, first)                   # only the new blocks are copied
         n = len(table.blocks)
-        assert tables._arrays[table].arr[:n].tolist() == table.blocks     # the mirror itself, before get()
+        assert table.mirror.arr[:n].tolist() == table.blocks     # the mirror itself, before get()
         assert tables.get(table).tolist() == table.blocks
 
 
@@ -30,7 +30,7 @@ def test_a_rewrite_from_the_middle_keeps_the_head():
     tables.update(table)
     table.blocks[12:] = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]
     tables.update(table, 12)                          # a rewind rewrote from block 12 on, and it grew
-    assert tables._arrays[table].arr[:len(table.blocks)].tolist() == table.blocks
+    assert table.mirror.arr[:len(table.blocks)].tolist() == table.blocks
     assert tables.get(table).tolist() == table.blocks
 
 
@@ -71,5 +71,5 @@ def test_a_partial_copy_never_trusts_entries_the_mirror_does_not_hold():
     tables.update(table, 4)
     table.blocks.extend([50, 51, 52])                  # grown, but told only about the last block
     tables.update(table, 6)
-    assert tables._arrays[table].arr[:7].tolist() == [1, 2, 3, 4, 50, 51, 52]
+    assert table.mirror.arr[:7].tolist() == [1, 2, 3, 4, 50, 51, 52]
     assert tables.get(table).tolist() == [1, 2, 3, 4, 50, 51, 52]

@@ -20,7 +20,7 @@ No tensors here: an engine that stores rows in blocks passes a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,6 +41,7 @@ class BlockTable:
     blocks: list[int] = field(default_factory=list)
     length: int = 0
     owner: int = 0               # whom its blocks are counted against (0: nobody in particular)
+    mirror: Any = field(default=None, repr=False)   # an engine's copy of ``blocks`` (opaque here)
 
 
 class BlockPool:

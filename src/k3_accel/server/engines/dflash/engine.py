@@ -34,6 +34,7 @@ from ..base import (DraftEngine, EngineCaps, EngineError, EngineFault, IngestBat
 from ..pool import BlockTable, PoolExhausted
 from . import ops_torch
 from .host_tables import HostTables
+from .on_device import OnDevice
 from .kv_cache import KVCache, blocks_in_budget, bytes_per_row, cuda_budget
 from .model import BlockBatch, block_logits, context_projection, fuse, greedy, rope_table, target_logits
 from .weights import DFlashWeights, load_dflash
@@ -190,10 +191,7 @@ class DFlashEngine(DraftEngine):
     def _on_device(self) -> contextlib.AbstractContextManager:
         if self.stream is None:
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.device))
-        stack.enter_context(torch.cuda.stream(self.stream))
-        return stack
+        return OnDevice(self.stream.device_index, self.stream)
 
     # ------------------------------------------------------------ state ---
 
@@ -350,7 +348,9 @@ class DFlashEngine(DraftEngine):
         if r == 0 or k == 0:
             return self._empty(r, k, batch)
         self._ensure_positions(max(s.length for s in batch.states) + k + 1)
-        anchors = batch.anchors.reshape(-1).cpu()
+        anchors = batch.anchors
+        if anchors.dim() != 1 or anchors.is_cuda:
+            anchors = anchors.reshape(-1).cpu()
         tokens = None
         with self._on_device():
             if batch.logits == "none" and self.graphs is not None:

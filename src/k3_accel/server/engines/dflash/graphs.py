@@ -16,14 +16,16 @@ synchronisation (the server reads its socket meanwhile). Graphs share one memory
 engine's ``graph_k`` are captured at start, largest bucket first, and any other on its first use,
 alone.
 
-Every replay gets its own pinned buffers and event (PyTorch's caching host allocator hands a
+Every replay gets its own pinned output buffer and event (PyTorch's caching host allocator hands a
 freed one out again only once its copies are done): the server launches one replay per group
 of a batch (one per ``k``) before it reads any, and a test compares a greedy and a sampled
 replay afterwards. Shared buffers let the later replay overwrite the earlier one's drafts
-(and the inputs of a copy still in flight).
+(and the inputs of a copy still in flight). A graph's input buffer is used again once the
+replay that last read it is done (its event): no allocation on the host's path then.
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +50,7 @@ class _Graph:
     k: int
     rows: int = 0             # context rows stored before drafting (0: none)
     sampled: bool = False     # reads temperatures and seeds (engines that sample)
+    spare: Any = None         # the last replay's pinned input buffer, its NumPy view and its event
 
     @property
     def head(self) -> int:
@@ -143,9 +146,15 @@ class GraphRunner:
             step()
         eng.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool, stream=eng.stream,
-                              capture_error_mode="thread_local"):
-            out = step()
+        collecting = gc.isenabled()
+        gc.disable()              # no collection mid-capture: a collected graph or event (another
+        try:                      # engine's) calls CUDA on this thread, which voids the capture
+            with torch.cuda.graph(graph, pool=self.mempool, stream=eng.stream,
+                                  capture_error_mode="thread_local"):
+                out = step()
+        finally:
+            if collecting:
+                gc.enable()
         return graph, out
 
     def run(self, anchors: torch.Tensor, states: list[BlockTable], k: int, batch: Any = None
@@ -168,8 +177,11 @@ class GraphRunner:
             rows = 0
         g = self.graphs.get((bucket, k, rows)) or self._capture(bucket, k, rows)
         h, base = g.head, bucket * (2 + self.width)
-        host = self._host(g.inputs.shape[0])      # every entry read is written
-        buf = host.numpy()
+        if g.spare is not None and g.spare[2].query():   # the last replay's copies are done
+            host, buf, _ = g.spare
+        else:
+            host = self._host(g.inputs.shape[0])  # every entry read is written
+            buf = host.numpy()
         eng.host_inputs(anchors, states, bucket, self.width, out=buf[h:h + base])
         if g.sampled:                              # padding rows: temperature 0 (greedy), seed 0
             seeds, temperature = buf[:2 * bucket].view(np.int64), buf[2 * bucket:h].view(np.float32)
@@ -183,14 +195,15 @@ class GraphRunner:
         g.graph.replay()
         out = self._host(g.out.shape[0])
         out.copy_(g.out, non_blocking=True)
-        n = bucket * k
-        ids = out[:2 * n].view(torch.int64).view(bucket, k)
-        conf = out[2 * n:].view(torch.float32).view(bucket, k)[:r] if g.confident else None
+        n, o = bucket * k, out.numpy()            # views through NumPy: a third of torch's cost
+        ids = torch.from_numpy(o[:2 * n].view(np.int64).reshape(bucket, k)[:r])
+        conf = torch.from_numpy(o[2 * n:].view(np.float32).reshape(bucket, k)[:r]) if g.confident else None
         done = None
         if eng.stream is not None:
             done = torch.cuda.Event()
             done.record(eng.stream)
-        return ids[:r], done, conf
+            g.spare = (host, buf, done)
+        return ids, done, conf
 
     def _take_rows(self, index: np.ndarray) -> None:
         """The engine's waiting rows into this replay: positions and slots into ``index``

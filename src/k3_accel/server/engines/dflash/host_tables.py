@@ -6,11 +6,10 @@ table where it changes (an ingest touches the table from its first rewritten
 block on, a fork builds a new one), and a propose copies the mirrors. A mirror
 whose length or end blocks disagree with its table (a table edited elsewhere)
 is rebuilt from the list; the check compares plain ints kept at the last copy (no NumPy
-scalar on a propose's look-up, nor on an ingest's partial copy).
+scalar on a propose's look-up, nor on an ingest's partial copy). The mirror lives on the table
+(``BlockTable.mirror``: it goes with the table, and a look-up is an attribute read).
 """
 from __future__ import annotations
-
-import weakref
 
 import numpy as np
 
@@ -27,17 +26,14 @@ class _Mirror:
 
 
 class HostTables:
-    def __init__(self) -> None:
-        self._arrays: weakref.WeakKeyDictionary[BlockTable, _Mirror] = weakref.WeakKeyDictionary()
-
     def update(self, table: BlockTable, first: int = 0) -> None:
         """Copy ``table.blocks[first:]`` into the mirror (entries before ``first`` unchanged; never
         past what the mirror holds: those are copied too)."""
         blocks = table.blocks
         n = len(blocks)
-        mirror = self._arrays.get(table)
+        mirror = table.mirror
         if mirror is None:
-            mirror = self._arrays[table] = _Mirror(np.empty(max(16, n), dtype=np.int32))
+            mirror = table.mirror = _Mirror(np.empty(max(16, n), dtype=np.int32))
         if first > mirror.n:
             first = mirror.n
         arr = mirror.arr
@@ -61,8 +57,8 @@ class HostTables:
         n = len(blocks)
         if not n:
             return np.empty(0, dtype=np.int32)
-        mirror = self._arrays.get(table)
+        mirror = table.mirror
         if mirror is None or mirror.n != n or mirror.first != blocks[0] or mirror.last != blocks[-1]:
             self.update(table, 0)
-            mirror = self._arrays[table]
+            mirror = table.mirror
         return mirror.arr[:n]
