@@ -275,7 +275,7 @@ WAVE_MUTANTS = (
            "            seeds[:r] = batch.seeds.numpy() if sampled else 0", "            seeds[:r] = 0",
            ("tests/test_dspark_graph_replay.py",)),
     Mutant("graph-confidence-misread", "a replay's confidence is read after its ids, not over them", D + "graphs.py",
-           "        conf = out[2 * n:].view(torch.float32)", "        conf = out[:n].view(torch.float32)",
+           "        conf = torch.from_numpy(o[2 * n:]", "        conf = torch.from_numpy(o[:n]",
            ("tests/test_dspark_graph_replay.py",)),
     Mutant("trash-block-handed-out", "the pool never hands out the trash block", D + "kv_cache.py",
            "        self.trash_slot = num_blocks * block_rows", "        self.trash_slot = (num_blocks - 1) * block_rows",

@@ -52,6 +52,21 @@ def kernels(device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
         assert int(ops_triton.argmax(logits)[1]) == 17
     markov(device, dtype, gen)
     markov_chain(device, dtype, gen)
+    anchors = torch.tensor([7, 0, 99, 42, 5], dtype=torch.int32, device=device)
+    starts = torch.tensor([0, 13, 150, 64, 3], dtype=torch.int32, device=device)
+    for rows in (1, 7, 8):
+        for got, want in zip(ops_triton.block_inputs(anchors, starts, rows, 98),
+                             ops_torch.block_inputs(anchors, starts, rows, 98)):
+            assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want), f"block_inputs rows={rows}"
+    for with_markov in (True, False):                 # hidden past one block of the kernel's sum
+        r, k, hidden, rank, vocab = 5, 4, 1100, 24, 120
+        h, w1 = rnd(r * k, hidden), rnd(vocab, rank)
+        ids = torch.randint(0, vocab, (r, k), generator=gen).to(device)
+        w = (torch.randn(1, hidden + (rank if with_markov else 0), generator=gen) / 30).to(device)
+        b = torch.randn(1, generator=gen).to(device)
+        m = w1 if with_markov else None
+        close(ops_triton.markov_confidence(h, anchors, ids, m, w, b),
+              ops_torch.markov_confidence(h, anchors, ids, m, w, b), f"markov_confidence {with_markov}", torch.float32)
     if device == "cpu":     # seeded Gumbel-max: the interpreter computes as PyTorch does (CUDA: test_dspark_gpu)
         logits = torch.randn(6, 3000, generator=gen) * 3
         temps = torch.tensor([0.0, 0.7, 1.3, 2.0, 0.0, 1.0])

@@ -47,19 +47,16 @@ def dspark_drafts(fw: FusedWeights, heads: DSparkHeads, ops: Any, kv: torch.Tens
     if scale != 1.0:
         base = base * scale
     base = base.view(r, k, -1)
-    anchors = batch.anchors.long()
+    anchors = batch.anchors
     if cfg.draft_topk is None:          # the bias GEMM, the sum and the pick: one pass a step (Triton)
         ids = ops.markov_drafts(base, anchors, heads.markov_w1, heads.markov_w2, scale, fw.d2t,
                                 batch.temperature, batch.seeds, batch.ctx_lens, heads.target_ids)
     else:
-        ids = _topk_drafts(fw, heads, ops, base, anchors, batch, cfg.draft_topk, scale)
+        ids = _topk_drafts(fw, heads, ops, base, anchors.long(), batch, cfg.draft_topk, scale)
     if heads.confidence_w is None:
         return ids, None
-    prevs = torch.cat([anchors[:, None], ids[:, :-1]], 1)                # each step's previous token
-    embeds = F.embedding(prevs, heads.markov_w1).flatten(0, 1)           # [R*k, r], (request, step)
-    x = torch.cat([h, embeds], -1) if cfg.confidence_with_markov else h
-    conf = torch.sigmoid(F.linear(x.float(), heads.confidence_w, heads.confidence_b).squeeze(-1))
-    return ids, conf.view(r, k)
+    w1 = heads.markov_w1 if cfg.confidence_with_markov else None
+    return ids, ops.markov_confidence(h, anchors, ids.contiguous(), w1, heads.confidence_w, heads.confidence_b)
 
 
 def _topk_drafts(fw: FusedWeights, heads: DSparkHeads, ops: Any, base: torch.Tensor, prev: torch.Tensor,

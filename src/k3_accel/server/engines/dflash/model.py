@@ -133,11 +133,9 @@ def block_hidden(fw: FusedWeights, ops: Any, kv: torch.Tensor, batch: BlockBatch
     the rows kept are offsets 1..k (fill-in) or 0..k-1 (``from_anchor``)."""
     cfg = fw.config
     r, t = batch.anchors.shape[0], batch.rows
-    offsets = torch.arange(t, device=batch.ctx_lens.device)
-    ids = torch.where(offsets[None] == 0, batch.anchors[:, None].long(), cfg.mask_token_id)
-    positions = (batch.ctx_lens[:, None].long() + offsets[None]).reshape(-1)
+    ids, positions = ops.block_inputs(batch.anchors, batch.ctx_lens, t, cfg.mask_token_id)
     eps, q_size, kv_size = cfg.rms_norm_eps, cfg.q_size, cfg.kv_size
-    x = F.embedding(ids.reshape(-1), fw.embed)
+    x = F.embedding(ids, fw.embed)
     residual = x
     for li, lw in enumerate(fw.layers):
         if li == 0:

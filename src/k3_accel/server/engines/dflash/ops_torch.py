@@ -99,6 +99,28 @@ def markov_drafts(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w
     return torch.stack(drafts, dim=1) if drafts else anchors.new_empty(anchors.shape[0], 0, dtype=torch.int64)
 
 
+def block_inputs(anchors: torch.Tensor, ctx_lens: torch.Tensor, rows: int, mask_id: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and positions ``[R * rows]`` (int64) of the query blocks ``[anchor, mask * (rows - 1)]``
+    at positions ``ctx_lens[r] + 0 .. rows - 1``."""
+    offsets = torch.arange(rows, device=ctx_lens.device)
+    ids = torch.where(offsets[None] == 0, anchors[:, None].long(), mask_id)
+    return ids.reshape(-1), (ctx_lens[:, None].long() + offsets[None]).reshape(-1)
+
+
+def markov_confidence(h: torch.Tensor, anchors: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor | None,
+                      w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """DSpark's confidence ``[R, k]`` (float32): ``sigmoid(F.linear([h | w1[prev]].float(), w, b))`` per
+    draft row ``h [R*k, H]`` (request, step), ``prev`` the step's previous token (the anchor, then the
+    drafts ``ids [R, k]``); without ``w1``, of ``h`` alone."""
+    r, k = ids.shape
+    x = h
+    if w1 is not None:
+        prevs = torch.cat([anchors.long()[:, None], ids[:, :-1]], 1)
+        x = torch.cat([h, F.embedding(prevs, w1).flatten(0, 1)], -1)
+    return torch.sigmoid(F.linear(x.float(), w, b).squeeze(-1)).view(r, k)
+
+
 def store_context(kv_proj: torch.Tensor, k_norms: torch.Tensor, cos_sin: torch.Tensor,
                   positions: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
                   cfg: DFlashConfig) -> None:

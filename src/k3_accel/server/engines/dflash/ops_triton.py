@@ -199,3 +199,68 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(cols))
         _silu_mul_kernel[(n, triton.cdiv(cols, block))](gate_up, out, cols, BLOCK=block, num_warps=4)
     return out
+
+
+# ---------------------------------------------------- block inputs (ids, positions) ---
+
+@triton.jit
+def _block_inputs_kernel(anchor_ptr, len_ptr, ids_ptr, pos_ptr, n, rows, mask_id, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n
+    r, o = idx // rows, idx % rows
+    anchor = tl.load(anchor_ptr + r, mask=ok, other=0).to(tl.int64)
+    start = tl.load(len_ptr + r, mask=ok, other=0).to(tl.int64)
+    tl.store(ids_ptr + idx, tl.where(o == 0, anchor, tl.cast(mask_id, tl.int64)), mask=ok)
+    tl.store(pos_ptr + idx, start + o, mask=ok)
+
+
+def block_inputs(anchors: torch.Tensor, ctx_lens: torch.Tensor, rows: int, mask_id: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and positions ``[R * rows]`` (int64) of the query blocks, one launch
+    (:func:`.ops_torch.block_inputs`)."""
+    n = anchors.shape[0] * rows
+    ids = torch.empty(n, dtype=torch.int64, device=anchors.device)
+    positions = torch.empty(n, dtype=torch.int64, device=anchors.device)
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _block_inputs_kernel[(triton.cdiv(n, block),)](anchors, ctx_lens, ids, positions, n, rows, mask_id,
+                                                       BLOCK=block, num_warps=4)
+    return ids, positions
+
+
+# ------------------------------------------------------ DSpark's confidence head ---
+
+@triton.jit
+def _confidence_kernel(h_ptr, anchor_ptr, ids_ptr, w1_ptr, w_ptr, b_ptr, out_ptr, k, h_stride, H, RANK,
+                       MARKOV: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)              # request * k + step
+    c = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, H, BLOCK):
+        ok = c0 + c < H
+        x = tl.load(h_ptr + row * h_stride + c0 + c, mask=ok, other=0.0).to(tl.float32)
+        acc += x * tl.load(w_ptr + c0 + c, mask=ok, other=0.0)
+    if MARKOV:
+        step = row % k
+        if step == 0:
+            prev = tl.load(anchor_ptr + row // k).to(tl.int64)
+        else:
+            prev = tl.load(ids_ptr + row - 1)
+        for c0 in range(0, RANK, BLOCK):
+            ok = c0 + c < RANK
+            e = tl.load(w1_ptr + prev * RANK + c0 + c, mask=ok, other=0.0).to(tl.float32)
+            acc += e * tl.load(w_ptr + H + c0 + c, mask=ok, other=0.0)
+    tl.store(out_ptr + row, tl.sigmoid(tl.sum(acc, axis=0) + tl.load(b_ptr)))
+
+
+def markov_confidence(h: torch.Tensor, anchors: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor | None,
+                      w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """:func:`.ops_torch.markov_confidence` in one launch (float32 sums in another order)."""
+    r, k = ids.shape
+    out = torch.empty(r, k, dtype=torch.float32, device=h.device)
+    if r * k:
+        hidden, rank = h.shape[1], 0 if w1 is None else w1.shape[1]
+        assert h.stride(1) == 1 and ids.is_contiguous() and w.is_contiguous()
+        _confidence_kernel[(r * k,)](h, anchors, ids, h if w1 is None else w1, w, b, out, k, h.stride(0),
+                                     hidden, rank, MARKOV=w1 is not None, BLOCK=1024, num_warps=4)
+    return out

@@ -300,10 +300,26 @@ def markov_drafts(base: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor, w
     ``prev`` the last draft mapped by ``d2t``)."""
     r, k, _ = base.shape
     best = torch.full((k, r), _UNSET, dtype=torch.int64, device=base.device)
-    if r:
+    ids = torch.empty(r, k, dtype=torch.int64, device=base.device)
+    if r * k:
         w1, w2 = w1.contiguous(), w2.contiguous()
         for i in range(k):
             _markov_step(base[:, i], anchors if i == 0 else best[i - 1], i > 0, w1, w2, scale, best[i], d2t,
                          temperature, seeds, ctx_lens, i, keys)
-    ids = _unpack(best).T
-    return ids if d2t is None else ids + d2t[ids]
+        n = r * k
+        block = min(1024, triton.next_power_of_2(n))
+        _drafts_kernel[(triton.cdiv(n, block),)](best, best if d2t is None else d2t, ids, n, r, k,
+                                                 HAS_D2T=d2t is not None, BLOCK=block, num_warps=4)
+    return ids
+
+
+@triton.jit
+def _drafts_kernel(best_ptr, d2t_ptr, ids_ptr, n, r, k, HAS_D2T: tl.constexpr, BLOCK: tl.constexpr):
+    """``ids [R, k]``: the packed picks ``best [k, R]`` decoded (and mapped to target ids)."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n
+    packed = tl.load(best_ptr + (idx % k) * r + idx // k, mask=ok, other=0)
+    col = _LOW - (packed - ((packed >> 32) << 32))
+    if HAS_D2T:
+        col += tl.load(d2t_ptr + col, mask=ok, other=0).to(tl.int64)
+    tl.store(ids_ptr + idx, col, mask=ok)
