@@ -2,8 +2,10 @@
 
 ``propose_phases.py`` found most of a B = 32 propose's host time before the replay call outside
 ``host_inputs`` and the pinned buffers. This repeats ``run``'s steps for a greedy batch with a
-timer between each (medians of ``--iters``), and says whether the input buffer is pinned; then
-``propose``'s own steps around ``run`` the same way (``propose``). GPU only.
+timer between each (medians of ``--iters``; a fresh pinned input buffer each time, as ``run`` took one
+before it kept the last one), and says whether the input buffer is pinned; then ``propose``'s own
+steps around ``run`` the same way (``propose``; its ``anchors`` step as ``propose`` has it now, no copy
+of a 1-D host tensor: the s28 results timed the copy it made before). GPU only.
 """
 from __future__ import annotations
 
@@ -36,7 +38,10 @@ def propose_steps(engine, batch, iters: int) -> dict:
         t = [time.perf_counter()]
         mode = torch.inference_mode(); mode.__enter__(); t.append(time.perf_counter())
         engine._ensure_positions(max(s.length for s in batch.states) + batch.k + 1); t.append(time.perf_counter())
-        anchors = batch.anchors.reshape(-1).cpu(); t.append(time.perf_counter())
+        anchors = batch.anchors
+        if anchors.dim() != 1 or anchors.is_cuda:
+            anchors = anchors.reshape(-1).cpu()
+        t.append(time.perf_counter())
         ctx = engine._on_device(); ctx.__enter__(); t.append(time.perf_counter())
         tokens = engine.graphs.run(anchors, batch.states, batch.k, batch); t.append(time.perf_counter())
         out = Proposal(tokens[0], ready=tokens[1], confidence=tokens[2]); t.append(time.perf_counter())
