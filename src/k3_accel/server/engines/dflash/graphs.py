@@ -21,7 +21,7 @@ freed one out again only once its copies are done): the server launches one repl
 of a batch (one per ``k``) before it reads any, and a test compares a greedy and a sampled
 replay afterwards. Shared buffers let the later replay overwrite the earlier one's drafts
 (and the inputs of a copy still in flight). A graph's input buffer is used again once the
-replay that last read it is done (its event): no allocation on the host's path then.
+replay that last read it is done (its event): no input allocation on the host's path then.
 """
 from __future__ import annotations
 

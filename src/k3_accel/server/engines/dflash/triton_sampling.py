@@ -169,6 +169,12 @@ _RANK_CHUNK = 256                     # rank per dot; a wider rank reloads its w
 _STAGED_BYTES = 2**17                 # at most this much of w in flight per program (shared memory)
 
 
+@triton.jit
+def _column(packed):
+    """The column of a packed pick (its low half holds ``_LOW - column``)."""
+    return _LOW - (packed - ((packed >> 32) << 32))
+
+
 @triton.jit(do_not_specialize=["step", "flip"])
 def _markov_kernel(base_ptr, prev_ptr, d2t_ptr, table_ptr, w_ptr, t_ptr, seed_ptr, len_ptr, key_ptr, best_ptr,
                    step, flip, n_rows, n_cols, base_stride, n_chunks, n_programs, prev_stride, scale,
@@ -179,7 +185,7 @@ def _markov_kernel(base_ptr, prev_ptr, d2t_ptr, table_ptr, w_ptr, t_ptr, seed_pt
     row_ok = rows < n_rows
     prev = tl.load(prev_ptr + rows * prev_stride, mask=row_ok, other=0).to(tl.int64)
     if PACKED_PREV:                  # the previous step's packed best: its column, as a target id
-        prev = _LOW - (prev - ((prev >> 32) << 32))
+        prev = _column(prev)
         if HAS_D2T:
             prev += tl.load(d2t_ptr + prev, mask=row_ok, other=0).to(tl.int64)
     ks0 = tl.arange(0, BK)
@@ -319,7 +325,7 @@ def _drafts_kernel(best_ptr, d2t_ptr, ids_ptr, n, r, k, HAS_D2T: tl.constexpr, B
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < n
     packed = tl.load(best_ptr + (idx % k) * r + idx // k, mask=ok, other=0)
-    col = _LOW - (packed - ((packed >> 32) << 32))
+    col = _column(packed)
     if HAS_D2T:
         col += tl.load(d2t_ptr + col, mask=ok, other=0).to(tl.int64)
     tl.store(ids_ptr + idx, col, mask=ok)
