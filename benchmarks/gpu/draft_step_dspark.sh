@@ -15,7 +15,7 @@ timeout "${BENCH_TIMEOUT:-110}" python3 benchmarks/draft_step_dspark.py --out "$
     > "$OUT/bench.log" 2>&1
 echo "benchmark rc=$? after $((SECONDS - start)) s"
 grep -E "^\{|Error|error|\"ratio\"" "$OUT/bench.log" | tail -40
-timeout 60 python3 benchmarks/markov_step.py --tiles 128:4:3 --out "$OUT/markov-step.json" > "$OUT/markov.log" 2>&1
+timeout 60 python3 benchmarks/markov_step.py --tiles 32:4:3:4,128:4:3:2 --out "$OUT/markov-step.json" > "$OUT/markov.log" 2>&1
 echo "markov step rc=$? after $((SECONDS - start)) s"; grep -E '"ratio"' "$OUT/markov.log"
 timeout "${TEST_TIMEOUT:-100}" python3 -m pytest -q --noconftest -p no:cacheprovider \
     tests/test_dspark_gpu.py > "$OUT/gpu-tests.log" 2>&1
