@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--main", action="store_true", help="only the summary's points (K = 7, context 1,024, B = 1, 8, 32)")
     ap.add_argument("--markov-tile", help="the Markov kernel's tile, BLOCK:WARPS:STAGES:PER_SM (default: as shipped)")
+    ap.add_argument("--attention", action="store_true", help="also time one layer's attention at each "
+                    "context split count (CUDA; diagnosis: attention_ms in each point)")
     ap.add_argument("--out", help="write the JSON document here too")
     args = ap.parse_args()
     if args.markov_tile:
@@ -151,6 +153,8 @@ def main() -> None:
                     with torch.cuda.stream(engine.stream):
                         table[-1]["graph_device_ms"] = parts._events_ms(graph.graph.replay, iters)
                         table[-1]["replay_launch_ms"] = 1e3 * launch_seconds(graph.graph, engine.stream, iters)
+                if args.attention and cuda and k == ks[0]:
+                    table[-1]["attention_ms"] = parts.splits_sweep(engine, states, k, iters, bw["copy"])
                 print(table[-1], flush=True)
                 if args.out:                   # what a run cut short by its time limit still leaves
                     Path(args.out + ".partial").write_text(json.dumps(table, indent=1) + "\n")

@@ -113,6 +113,48 @@ def sweep(engine, q, k, v, kp, vp, batch, rows, splits, iters) -> list[dict]:
     return out
 
 
+def graph_ms(fn, iters: int, reps: int = 20) -> float:
+    """Median device milliseconds of one ``fn`` call, ``reps`` calls captured in one CUDA graph
+    and replayed (so the host's launch time between calls is not counted, as in the engine)."""
+    fn(), fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(reps):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return _events_ms(graph.replay, iters) / reps
+
+
+def splits_sweep(engine, states, rows: int, iters: int, copy_bw: float) -> dict:
+    """One layer's Triton attention for ``len(states)`` requests of ``rows`` query rows at each
+    context split count (the engine's rule's choice first): device ms per call in a graph
+    (:func:`graph_ms`), against reading the requests' K/V once (``kv_read_once_ms``)."""
+    cfg, b = engine.config, len(states)
+    width = max(len(s.blocks) for s in states)
+    buf = engine.host_inputs(torch.zeros(b, dtype=torch.long), states, b, width).to(engine.device)
+    batch = engine.device_batch(buf, b, width, rows)          # only its lengths and tables are read
+    gen = torch.Generator(device=engine.device).manual_seed(0)
+    qkv = torch.randn(b * rows, cfg.q_size + 2 * cfg.kv_size, device=engine.device, dtype=engine.dtype,
+                      generator=gen)
+    q, k, v = qkv[:, :cfg.q_size], qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size], qkv[:, cfg.q_size + cfg.kv_size:]
+    kp, vp = engine.cache.kv[0, 0], engine.cache.kv[1, 0]
+    tokens = int(batch.ctx_lens.sum())
+    out = {"rule": engine._splits(b), "kv_read_once_ms": 1e3 * tokens * 2 * cfg.kv_size * kp.element_size() / copy_bw}
+    for n in dict.fromkeys([engine._splits(b), 1, 2, 4, 8, 16]):
+        out[f"splits_{n}_ms"] = graph_ms(lambda: engine.ops.attention(
+            q, k, v, kp, vp, batch.ctx_lens, batch.tables, rows, cfg, n), iters)
+    for n, w, st in ((64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (32, 4, 4)):   # the rule's splits
+        tune = dict(block_n=n, num_warps=w, num_stages=st)
+        try:
+            out[f"tile_{n}_{w}_{st}_ms"] = graph_ms(lambda: engine.ops.attention(
+                q, k, v, kp, vp, batch.ctx_lens, batch.tables, rows, cfg, engine._splits(b), tune), iters)
+        except Exception as exc:                      # e.g. out of shared memory
+            out[f"tile_{n}_{w}_{st}_ms"] = repr(exc)[:80]
+    return out
+
+
 def attention_choice(engine, ctx_states: dict, contexts, sync, iters: int, copy_bw: float
                      ) -> list[dict]:
     """One layer's attention at K=7 (B=32; and B=1, 8 at the longest context): the

@@ -148,5 +148,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.T
         num_warps=tune["num_warps"], num_stages=tune["num_stages"])
     if splits > 1:
         _combine_kernel[(n_rows, nh)](part, lse, out, n_rows, splits, NH=nh, HD=hd,
-                                      SPLITS_P2=MAX_SPLITS, num_warps=4)
+                                      SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
     return out
