@@ -159,10 +159,15 @@ def run(job, dtype_name, first):
                 model.precompute_and_store_context_kv(model.combine_hidden_states(rows), torch.arange(p),
                                                       torch.arange(p))
                 hidden.append(model(ids[i * q:(i + 1) * q], torch.arange(p, p + q)))
-            seen = []
+            seen, base = [], []
             inner = spec._sample_logits
             spec._sample_logits = lambda lg, idx, pos, st: (seen.append(lg.float().clone()), inner(lg, idx, pos, st))[1]
+            draft_logits = type(model).compute_draft_logits        # the base logits, before a top-k cut
+            model.compute_draft_logits = lambda h: (lambda t: (base.append(t.float().clone()), t)[1])(
+                draft_logits(model, h))
             spec._sample_sequential(n, torch.cat(hidden))
+            del model.compute_draft_logits
+            out[f"s{s}base"] = base[0].view(n, k, -1)              # [n, k, draft V], no Markov bias
             out[f"s{s}drafts"] = spec.draft_tokens.clone()
             if spec.use_confidence_head:
                 out[f"s{s}confidence"] = spec.draft_token_confidence_probs.clone()

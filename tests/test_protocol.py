@@ -99,6 +99,16 @@ def test_reply_frames_must_match_header():
     with pytest.raises(ProtocolError) as info:
         p.decode_reply([frames[0], frames[1][:-1]])
     assert info.value.code is ErrorCode.FRAME_MISMATCH
+    with pytest.raises(ProtocolError) as info:              # a frame the header does not name
+        p.decode_reply([*frames, frames[1]])
+    assert info.value.code is ErrorCode.FRAME_MISMATCH and info.value.seq == 1
+
+
+def test_a_reply_tensor_of_a_dtype_that_does_not_travel_is_a_typed_error():
+    head = p.ReplyHeader(p.PROTOCOL_VERSION, 5, True, "s", tensors=[("drafts", "complex64", [1])])
+    with pytest.raises(ProtocolError) as info:
+        p.decode_reply([msgspec.msgpack.encode(head), bytes(8)])
+    assert info.value.code is ErrorCode.BAD_FIELD and "complex64" in info.value.message and info.value.seq == 5
 
 
 def test_declared_hidden_size_limit():
