@@ -86,12 +86,12 @@ def serve(port: int, quick: bool, profile: str | None = None, trace: str | None 
         for key in ("tottime", "cumulative"):
             pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
         Path(cprofile).write_text(text.getvalue())
-        return
-    if profile is None:
+    elif profile is None:
         loop.serve(stop)
-        if trace:
-            import server_trace
-            Path(trace).write_text(json.dumps(server_trace.summary(), indent=1) + "\n")
+    if trace:                          # (under cProfile its steps are the profiler's too)
+        import server_trace
+        Path(trace).write_text(json.dumps(server_trace.summary(), indent=1) + "\n")
+    if cprofile or profile is None:
         return
     from torch.profiler import ProfilerActivity, profile as torch_profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

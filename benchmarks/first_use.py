@@ -29,7 +29,7 @@ from draft_step import config, random_weights  # noqa: E402
 from report import emit  # noqa: E402
 from k3_accel.server.engines.base import IngestBatch, ProposeBatch  # noqa: E402
 from k3_accel.server.engines.dflash import DFlashEngine  # noqa: E402
-from k3_accel.server.rows import nonfinite_flags  # noqa: E402
+from k3_accel.server.rows import top_bits  # noqa: E402
 
 INGEST = [(1, 1), (1, 32), (3, 8), (16, 32), (17, 32), (100, 1), (128, 32), (500, 1), (512, 8), (1000, 4),
           (2048, 2), (4096, 1), (4097, 1), (300, 32), (8192, 1), (16384, 1)]
@@ -86,7 +86,7 @@ def main() -> None:
             print(json.dumps(table[-1]), flush=True)
     for n in (1, 32, 300, 4096, 16384):
         h = torch.randn(n, width, device=dev, dtype=dtype)
-        first, second = timed(lambda: nonfinite_flags(h).cpu()), timed(lambda: nonfinite_flags(h).cpu())
+        first, second = timed(lambda: top_bits(h).cpu()), timed(lambda: top_bits(h).cpu())
         table.append({"op": "nonfinite", "rows": n, "first_ms": first, "second_ms": second})
         print(json.dumps(table[-1]), flush=True)
     for b, k in PROPOSE:

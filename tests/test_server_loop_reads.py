@@ -23,7 +23,7 @@ from k3_accel.server.device_plane import ServerDevicePlane
 from k3_accel.server.engines.dflash import DFlashEngine
 from k3_accel.server.loop import ServerLoop
 from k3_accel.server.metrics import ServerMetrics
-from k3_accel.server.rows import nonfinite_flags
+from k3_accel.server.rows import nonfinite_top_bits, top_bits
 from k3_accel.server.service import DraftService
 from k3_accel.server.state import RequestStore
 from k3_accel.testing.tiny import write_tiny_dflash, write_tiny_target
@@ -71,7 +71,8 @@ class HostReads(ServerDevicePlane):
             if not isinstance(req.msg, p.ROW_OPS) or req.msg.slot < 0:
                 return True
             self.started.append((req.seq, self.engine.gate.query()))
-            req.fetch = types.SimpleNamespace(nonfinite=nonfinite_flags(self.rows).numpy())
+            req.fetch = types.SimpleNamespace(nonfinite=nonfinite_top_bits(top_bits(self.rows).numpy(),
+                                                                             self.rows.dtype))
             req.meta, req.hidden = req.meta[:, :-1], self.rows
         return True
 

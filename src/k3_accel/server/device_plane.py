@@ -10,10 +10,13 @@ that attached it (a message of an older connection of the session cannot read it
 A row message naming a slot is *fetched* before it is handled: on a stream of the slot's
 device this server waits for the target's ready event (``stream.wait_event``: a device
 wait, the loop goes on), copies the message's rows into a buffer of its own (same device,
-or peer), records the slot's *released* event right after that copy, and computes which
-rows are not finite; one small event says when all of it is done. The loop polls that
-event and handles the message only then, so no server stream that other sessions use ever
-waits on a target's event, and a target that dies mid-step stalls only its own read.
+or peer), records the slot's *released* event right after that copy, and copies each row's
+largest magnitude bits to the host (which rows are not finite follows there); the slot's
+*done* event says when all of it is done (one event a slot: a slot is read by one message at
+a time, and a read recorded later on the same stream can only make an earlier one look late).
+The loop polls that event and handles the message only then, so no server stream that other
+sessions use ever waits on a target's event, and a target that dies mid-step stalls only its
+own read.
 
 Imports end with the session (bye, lease expiry, a new attach): the mapped slots and events
 are dropped, except while a read of them is still in flight (kept until it completes).
@@ -31,7 +34,8 @@ import torch
 from k3_accel import ipc
 from k3_accel import protocol as p
 from k3_accel.protocol import ErrorCode, ProtocolError
-from k3_accel.server.rows import nonfinite_flags
+from k3_accel.on_device import OnDevice
+from k3_accel.server.rows import nonfinite_top_bits, top_bits
 
 log = logging.getLogger("k3_accel.server")
 
@@ -42,8 +46,8 @@ MODES = ("auto", "off", "always")
 class Fetch:
     """One message's rows on their way from a target's slot into this server's buffer."""
     hidden: torch.Tensor                  # [rows, width] on the server's device
-    flags: torch.Tensor                   # [rows] bool, pinned host: the row holds NaN or Inf
-    done: Any                             # CUDA event: the copy and the flags are complete
+    bits: torch.Tensor                    # [rows], pinned host: each row's largest magnitude bits
+    done: Any                             # CUDA event: the copy and the bits are complete
     ring: "Imported"
 
     def ready(self) -> bool:
@@ -51,7 +55,8 @@ class Fetch:
 
     @property
     def nonfinite(self) -> np.ndarray:
-        return self.flags.numpy()
+        """Which rows hold NaN or Inf (read once :meth:`ready`)."""
+        return nonfinite_top_bits(self.bits.numpy(), self.hidden.dtype)
 
 
 @dataclass(eq=False)
@@ -67,10 +72,13 @@ class Imported:
     dtype: str
     pending: list[Fetch] = field(default_factory=list)
     peer_stream: Any = None               # on the server's device, when the slots are on another
-    flags: list[torch.Tensor] = field(init=False)   # per slot, pinned host: its read's non-finite rows
+    bits: list[torch.Tensor] = field(init=False)    # per slot, pinned host: its read's rows' top bits
+    done: list[Any] = field(init=False)             # per slot: its read is complete
 
     def __post_init__(self) -> None:
-        self.flags = [torch.empty(int(t.shape[0]), dtype=torch.bool, pin_memory=True) for t in self.slots]
+        words = torch.int16 if p.DTYPES[self.dtype].itemsize == 2 else torch.int32
+        self.bits = [torch.empty(int(t.shape[0]), dtype=words, pin_memory=True) for t in self.slots]
+        self.done = [torch.cuda.Event() for _ in self.slots]
 
     @property
     def capacity(self) -> int:
@@ -81,10 +89,18 @@ class Imported:
         return sum(t.numel() * t.element_size() for t in self.slots)
 
 
-def _also(stream: Any, out_stream: Any) -> Any:
-    """The slots' device's stream as its current one too, when the read lands on another device
-    (a peer copy); nothing more to enter when it is the same stream."""
-    return contextlib.nullcontext() if stream is out_stream else torch.cuda.stream(stream)
+class _Both(contextlib.ExitStack):
+    """A peer read's streams current: the slots' device's, then the server's device's."""
+
+    def __init__(self, stream: Any, out_stream: Any):
+        super().__init__()
+        self.streams = (stream, out_stream)
+
+    def __enter__(self) -> "_Both":
+        super().__enter__()
+        for s in self.streams:
+            self.enter_context(torch.cuda.stream(s))
+        return self
 
 
 def _copy_rows(hidden: torch.Tensor, src: torch.Tensor, first: np.ndarray, counts: np.ndarray, rows: int) -> None:
@@ -96,9 +112,9 @@ def _copy_rows(hidden: torch.Tensor, src: torch.Tensor, first: np.ndarray, count
     hidden.copy_(src.index_select(0, torch.from_numpy(index).to(src.device, non_blocking=True)), non_blocking=True)
 
 
-def _check_rows(hidden: torch.Tensor, flags: torch.Tensor) -> None:
-    """Which rows hold NaN or Inf, into pinned ``flags`` (current stream)."""
-    flags.copy_(nonfinite_flags(hidden), non_blocking=True)
+def _check_rows(hidden: torch.Tensor, bits: torch.Tensor) -> None:
+    """Each row's largest magnitude bits, into pinned ``bits`` (current stream)."""
+    bits.copy_(top_bits(hidden), non_blocking=True)
 
 
 class ServerDevicePlane:
@@ -198,29 +214,31 @@ class ServerDevicePlane:
         dest = self.device if self.device is not None and self.device.type == "cuda" else imp.device
         stream = imp.stream
         home = self.home_stream if self.home_stream is not None else torch.cuda.current_stream(dest)
-        flags = imp.flags[slot][:rows]            # this slot's message is the only one read into it
+        bits = imp.bits[slot][:rows]              # this slot's message is the only one read into it
         if dest.index == imp.device.index:            # one stream: wait, copy, release, check
             out_stream = stream
+            current = OnDevice(dest.index, stream)
         else:                                         # peer: the copy runs on the slots' device's stream
             imp.peer_stream = imp.peer_stream or torch.cuda.Stream(dest)
             out_stream = imp.peer_stream
+            current = _Both(stream, out_stream)
         # The buffer is allocated on the stream that writes it, and marked as used by the engine's
         # stream, which reads it later: freed, it is reused only after the engine's work queued by
         # then. (Allocated on the engine's stream, it could be memory the engine freed a moment ago
         # and still reads in work queued behind a busy stream, which this copy, not ordered after
         # that work, would overwrite: most likely the illegal address P6 met on an H100.)
-        with _also(stream, out_stream), torch.cuda.stream(out_stream):
+        with current:
             hidden = torch.empty((rows, imp.width), dtype=p.DTYPES[imp.dtype], device=dest)
             stream.wait_event(imp.ready[slot])       # on the device: the target wrote the slot
             if rows:
                 _copy_rows(hidden, imp.slots[slot], first, counts, rows)
             imp.released[slot].record(stream)         # the slot may be written again
             if rows:
-                _check_rows(hidden, flags)
-            done = torch.cuda.Event()
+                _check_rows(hidden, bits)
+            done = imp.done[slot]
             done.record(out_stream)
         hidden.record_stream(home)
-        return Fetch(hidden, flags, done, imp)
+        return Fetch(hidden, bits, done, imp)
 
     # ------------------------------------------------------------- lifetime
     def drop(self, session_key: str) -> None:

@@ -122,12 +122,18 @@ def bad_rows(hidden: torch.Tensor | None, offsets: np.ndarray, flags: np.ndarray
     return _per_request(flags.astype(np.int64), offsets)
 
 
-def nonfinite_flags(hidden: torch.Tensor) -> torch.Tensor:
-    """The same bit test in torch, on the tensor's device: ``[rows]`` bool, True where the row
-    holds NaN or Inf. Three kernels on a GPU (the device plane's reads)."""
-    _, mask, first_bad = _NONFINITE_BITS[hidden.dtype]
+def top_bits(hidden: torch.Tensor) -> torch.Tensor:
+    """Each row's largest magnitude bits (the sign cleared), on the tensor's device: ``[rows]`` of
+    the same-width integer type. Two kernels on a GPU (the device plane's reads); which rows hold
+    NaN or Inf follows on the host (:func:`nonfinite_top_bits`)."""
+    _, mask, _ = _NONFINITE_BITS[hidden.dtype]
     words = hidden.view(torch.int16 if hidden.element_size() == 2 else torch.int32)
-    return torch.bitwise_and(words, mask).amax(dim=1) >= first_bad
+    return torch.bitwise_and(words, mask).amax(dim=1)
+
+
+def nonfinite_top_bits(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Which rows hold NaN or Inf, from their :func:`top_bits` (the same bit test as below)."""
+    return bits >= _NONFINITE_BITS[dtype][2]
 
 
 def _nonfinite_rows(hidden: torch.Tensor) -> np.ndarray:

@@ -29,12 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from k3_accel.on_device import OnDevice
+
 from ..base import (DraftEngine, EngineCaps, EngineError, EngineFault, IngestBatch, ProposeBatch,
                     Proposal)
 from ..pool import BlockTable, PoolExhausted
 from . import ops_torch
 from .host_tables import HostTables
-from .on_device import OnDevice
 from .kv_cache import KVCache, blocks_in_budget, bytes_per_row, cuda_budget
 from .model import BlockBatch, block_logits, context_projection, fuse, greedy, rope_table, target_logits
 from .weights import DFlashWeights, load_dflash
