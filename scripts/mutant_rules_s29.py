@@ -1,6 +1,7 @@
 """Rule mutants of the twenty-ninth session, for the modules the earlier sets probed least: the
-controller's acceptance estimate, the server-fits-target rules of the handshake, the reply codec
-and DSpark's sequential stage. Each names the tests that must notice."""
+controller's acceptance estimate, the server-fits-target rules of the handshake, the reply codec,
+DSpark's sequential stage, reconnecting to a stored prefix and the feature-capture files. Each names
+the tests that must notice."""
 from __future__ import annotations
 
 from mutant import Mutant
@@ -9,6 +10,11 @@ A = "vllm/spec_decode/acceptance.py"
 H = "transport/handshake.py"
 R = "protocol/replies.py"
 D = "server/engines/dflash/dspark_model.py"
+RC = "server/reconnect.py"
+CAP = "transport/capture.py"
+RECONNECT = ("tests/test_server.py", "tests/test_server_rules.py", "tests/test_server_dflash.py",
+             "tests/test_dflash_pool.py")
+CAPTURE = ("tests/test_transport_capture.py",)
 CONTROLLER = ("tests/test_controller.py",)
 FIT = ("tests/test_transport_failures.py", "tests/test_transport_settings.py", "tests/test_vllm_v2_dspark.py",
        "tests/test_doctor_dspark.py")
@@ -58,4 +64,21 @@ S29_MUTANTS = (
            "        prev = to_target(fw, pick.view(-1))", "        prev = pick.view(-1)", DSPARK, V33),
     Mutant("s29-dspark-confidence-no-markov", "a confidence head reading [h | e] gets the Markov embedding", D,
            "    w1 = heads.markov_w1 if cfg.confidence_with_markov else None", "    w1 = None", DSPARK, V33),
+    Mutant("s29-reconnect-first-match", "a reconnect forks the longest stored prefix, not the first that matches",
+           RC, "        if length > best_len:", "        if best is None:", RECONNECT),
+    Mutant("s29-reconnect-partial-hidden", "an engine that needs hidden rows reuses only a context covering every "
+           "cached token", RC, "    if engine.caps.needs_hidden_states and length < wanted:",
+           "    if engine.caps.needs_hidden_states and length == 0:", RECONNECT),
+    Mutant("s29-reconnect-prefix-overcounted", "the common prefix ends at the first differing token", RC,
+           "    return int(diff[0]) if diff.size else n", "    return int(diff[0]) + 1 if diff.size else n", RECONNECT),
+    Mutant("s29-reconnect-vocab-unchecked", "cached tokens outside the vocabulary are refused", RC,
+           "    bad = int(outside_vocab(tokens, engine.caps.vocab_size).sum())", "    bad = 0", RECONNECT),
+    Mutant("s29-capture-long-stem-cut", "long request ids keep distinct stems (a digest, not a cut)", CAP,
+           '    return f"{stem[:80]}~{digest}"', "    return stem[:_MAX_STEM]", CAPTURE),
+    Mutant("s29-capture-first-comma", "the first record of an index has no comma before it", CAP,
+           '        text = (b",\\n" if self.count else b"") + json.dumps(record).encode("utf-8") + TAIL',
+           '        text = b",\\n" + json.dumps(record).encode("utf-8") + TAIL', CAPTURE),
+    Mutant("s29-capture-first-position", "a record names the first position of its rows", CAP,
+           "        first = int(job.positions[0]) if job.positions.numel() else -1",
+           "        first = int(job.positions[-1]) if job.positions.numel() else -1", CAPTURE),
 )

@@ -139,6 +139,8 @@ def test_reconnect_reuses_only_a_context_that_covers_every_cached_token(wire, re
     assert wire.call(p.Reconnect(1, 16), ints(tokens[:16])).raise_for_error().result == {"restored": 16}
     partial = wire.call(p.Reconnect(2, 16), ints(tokens[:15] + [999 % 512]))
     assert not partial.ok and partial.error[0] == "PREFIX_MISMATCH"     # hidden rows cannot be rebuilt
+    longer = wire.call(p.Reconnect(3, 24), ints(tokens + [1, 2, 3, 4]))  # a context covers 20 of the 24
+    assert not longer.ok and longer.error[0] == "PREFIX_MISMATCH"
     new = rows(2, width, seed=41)
     reply = wire.propose(K, [(1, 16, [7, 8], 3)], hidden=new, logits="full").raise_for_error()
     assert check(reply, 0, ref, torch.cat([ctx[:16], new]), 3) >= 1

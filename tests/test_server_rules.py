@@ -3,7 +3,7 @@ over the n-gram engine with real encoded messages and a pool of a few 4-row bloc
 
 * A full pool evicts the least recent retained context first, of the sessions that give way.
 * A session over its share is never given room by one less far over (``share.gives_way``).
-* A reconnect never evicts the context it is about to copy from.
+* A reconnect never evicts the context it is about to copy from, and refuses token ids no engine holds.
 * A rewind into a block a fork shares copies it, and checks room for the copy before anything
   changes (the pool alone, and through the server).
 * What one message of an engine batch admits, a later message of the batch does not take back.
@@ -91,6 +91,16 @@ def test_a_reconnect_never_evicts_the_context_it_copies_from():
     before = svc.snapshot()
     reply = svc.reconnect(s, 2, source[:5])        # the only context it could evict is its source
     assert not reply.ok and reply.error[0] == "CAPACITY" and svc.snapshot() == before
+    svc.check_pool()
+
+
+def test_a_reconnect_with_token_ids_no_engine_holds_is_refused_and_changes_nothing():
+    svc = LocalService(blocks=8, block_size=4, max_retained=4)
+    s = svc.session(A)
+    assert codes(svc.ingest(s, [(0, 0, [1, 2, 3, 4, 5])])) == {} and svc.call(s, p.Free([0], True)).ok
+    before = svc.snapshot()
+    reply = svc.reconnect(s, 1, [1, 2, -3])
+    assert not reply.ok and reply.error[0] == "BAD_REQUEST" and svc.snapshot() == before
     svc.check_pool()
 
 

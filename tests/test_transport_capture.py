@@ -162,6 +162,8 @@ def test_writer_writes_and_releases(tmp_path):
     for rid in ("a", "B", "c/d"):
         recs = read_capture(tmp_path / f"{request_file_stem(rid)}.json")
         assert [r["positions"].tolist() for r in recs] == [list(range(n * 3, n * 3 + 3)) for n in range(5)]
+        index = json.loads((tmp_path / f"{request_file_stem(rid)}.json").read_text())
+        assert [r["first_position"] for r in index["records"]] == [n * 3 for n in range(5)]
         assert recs[4]["hidden"].dtype == torch.bfloat16 and recs[4]["hidden"][0, 0].item() == 4
 
 
