@@ -81,4 +81,7 @@ S29_MUTANTS = (
     Mutant("s29-capture-first-position", "a record names the first position of its rows", CAP,
            "        first = int(job.positions[0]) if job.positions.numel() else -1",
            "        first = int(job.positions[-1]) if job.positions.numel() else -1", CAPTURE),
+    Mutant("s29-plane-read-own-dtype", "a device-plane read judges its rows' top bits by the ring's own dtype",
+           "server/device_plane.py", "        return nonfinite_top_bits(self.bits.numpy(), self.hidden.dtype)",
+           "        return nonfinite_top_bits(self.bits.numpy(), torch.float32)", ("tests/test_store.py",)),
 )

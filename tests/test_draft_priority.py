@@ -111,7 +111,7 @@ def test_off_or_with_a_fence_the_host_waits_on_it_never_waits(priority, fence):
 
 
 @pytest.mark.parametrize("deadline_s", [None, 0.2])
-def test_the_wait_ends_at_the_deadline_and_when_the_pipeline_closes(deadline_s):
+def test_the_wait_ends_at_the_deadline(deadline_s):
     """Step 1's launch never completes, so it never has drafts: the wait ends by its deadline. With a
     GPU deadline the watchdog may release the fence at that same deadline (either may end the wait);
     without one nothing can move the fence, and the wait must end by itself."""
@@ -150,3 +150,20 @@ def test_draft_priority_is_on_unless_switched_off(raw, want):
     assert K3Config().draft_priority is True
     assert load_config({"k3_accel": {"draft_priority": raw}}, environ={}).draft_priority is want
     assert load_config(None, environ={"VLLM_K3_DRAFT_PRIORITY": str(raw)}).draft_priority is want
+
+
+def test_closing_the_pipeline_releases_a_waiting_step_thread():
+    pipe = _pipe(deadline_s=600.0)           # neither the wait's deadline nor the watchdog's comes first
+    launches = [Launch(), Launch()]
+    pipe.submit(launches[0], propose=True)
+    second = pipe.submit(launches[1], propose=True)
+    waiting, seen = _yield_in_thread(pipe, second)
+    waiting.join(0.3)
+    assert waiting.is_alive() and not seen   # step 1 has no drafts: it waits
+    closer = threading.Thread(target=pipe.close, args=(5,), daemon=True)
+    closer.start()
+    waiting.join(30)
+    assert not waiting.is_alive() and len(seen) == 1 and not launches[0].copied.is_set()
+    for launch in launches:
+        launch.done()
+    closer.join(30)

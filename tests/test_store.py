@@ -311,6 +311,24 @@ SPECIALS = {  # per dtype: values that are NaN/Inf, and finite edge values (larg
 
 
 @pytest.mark.parametrize("dtype", sorted(SPECIALS))
+def test_a_device_plane_read_refuses_exactly_the_rows_its_dtype_calls_non_finite(dtype):
+    """A read over the device plane copies each row's top bits to the host, and the host decides with
+    the threshold of the ring's own dtype: NaN of either sign and both infinities flagged, the largest
+    finite value (whose bits sit just under the threshold) and the tiny ones not."""
+    import torch
+    from k3_accel.server.device_plane import Fetch
+    dt = p.DTYPES[dtype]
+    bad_values, edge_values = SPECIALS[dtype]
+    values = [1.0] + edge_values + bad_values + [-float("nan")]
+    hidden = torch.full((len(values), 64), 0.5, dtype=torch.float32)
+    hidden[:, 37] = torch.tensor(values)
+    hidden = hidden.to(dt)
+    fetch = Fetch(hidden, r.top_bits(hidden), done=None, ring=None)
+    assert fetch.nonfinite.tolist() == (~torch.isfinite(hidden).all(dim=1)).tolist()
+    assert int(fetch.nonfinite.sum()) == len(bad_values) + 1
+
+
+@pytest.mark.parametrize("dtype", sorted(SPECIALS))
 @pytest.mark.parametrize("width", [1, 7, 20480])
 def test_bad_rows_counts_exactly_the_rows_torch_calls_non_finite(dtype, width):
     """The bit test agrees with ``torch.isfinite`` on every row (at width 20480 across several slabs

@@ -35,7 +35,7 @@ from k3_accel import ipc
 from k3_accel import protocol as p
 from k3_accel.protocol import ErrorCode, ProtocolError
 from k3_accel.on_device import OnDevice
-from k3_accel.server.rows import nonfinite_top_bits, top_bits
+from k3_accel.server.rows import nonfinite_top_bits, top_bits, word_dtype
 
 log = logging.getLogger("k3_accel.server")
 
@@ -76,7 +76,7 @@ class Imported:
     done: list[Any] = field(init=False)             # per slot: its read is complete
 
     def __post_init__(self) -> None:
-        words = torch.int16 if p.DTYPES[self.dtype].itemsize == 2 else torch.int32
+        words = word_dtype(p.DTYPES[self.dtype])
         self.bits = [torch.empty(int(t.shape[0]), dtype=words, pin_memory=True) for t in self.slots]
         self.done = [torch.cuda.Event() for _ in self.slots]
 
@@ -89,18 +89,11 @@ class Imported:
         return sum(t.numel() * t.element_size() for t in self.slots)
 
 
-class _Both(contextlib.ExitStack):
+@contextlib.contextmanager
+def _both(stream: Any, out_stream: Any):
     """A peer read's streams current: the slots' device's, then the server's device's."""
-
-    def __init__(self, stream: Any, out_stream: Any):
-        super().__init__()
-        self.streams = (stream, out_stream)
-
-    def __enter__(self) -> "_Both":
-        super().__enter__()
-        for s in self.streams:
-            self.enter_context(torch.cuda.stream(s))
-        return self
+    with torch.cuda.stream(stream), torch.cuda.stream(out_stream):
+        yield
 
 
 def _copy_rows(hidden: torch.Tensor, src: torch.Tensor, first: np.ndarray, counts: np.ndarray, rows: int) -> None:
@@ -221,7 +214,7 @@ class ServerDevicePlane:
         else:                                         # peer: the copy runs on the slots' device's stream
             imp.peer_stream = imp.peer_stream or torch.cuda.Stream(dest)
             out_stream = imp.peer_stream
-            current = _Both(stream, out_stream)
+            current = _both(stream, out_stream)
         # The buffer is allocated on the stream that writes it, and marked as used by the engine's
         # stream, which reads it later: freed, it is reused only after the engine's work queued by
         # then. (Allocated on the engine's stream, it could be memory the engine freed a moment ago

@@ -122,13 +122,17 @@ def bad_rows(hidden: torch.Tensor | None, offsets: np.ndarray, flags: np.ndarray
     return _per_request(flags.astype(np.int64), offsets)
 
 
+def word_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The signed integer type of a hidden dtype's width: what :func:`top_bits` returns."""
+    return torch.int16 if dtype.itemsize == 2 else torch.int32
+
+
 def top_bits(hidden: torch.Tensor) -> torch.Tensor:
     """Each row's largest magnitude bits (the sign cleared), on the tensor's device: ``[rows]`` of
     the same-width integer type. Two kernels on a GPU (the device plane's reads); which rows hold
     NaN or Inf follows on the host (:func:`nonfinite_top_bits`)."""
     _, mask, _ = _NONFINITE_BITS[hidden.dtype]
-    words = hidden.view(torch.int16 if hidden.element_size() == 2 else torch.int32)
-    return torch.bitwise_and(words, mask).amax(dim=1)
+    return torch.bitwise_and(hidden.view(word_dtype(hidden.dtype)), mask).amax(dim=1)
 
 
 def nonfinite_top_bits(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
