@@ -166,3 +166,20 @@ def test_batches_of_many_requests_draft_what_each_would_alone(plan, vocab, large
     for s in states:
         engine.release(s)
     assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(tokens=st.lists(st.integers(0, 2), min_size=65, max_size=200), anchor=st.integers(0, 2),
+       max_n=st.integers(4, 6), decode=st.integers(0, 12), k=st.integers(1, 5))
+def test_grams_longer_than_three_match_like_vllm_after_a_long_prefill(tokens, anchor, max_n, decode, k):
+    """``--ngram-max`` above 3 (vLLM's ``prompt_lookup_max`` is often 4 or 5): a prefill chunk past
+    64 rows, then decode steps of one row; the longest gram still wins, as in the reference (three
+    ids are all a packed int64 key holds)."""
+    engine = NgramEngine(max_n=max_n, block_size=16, budget_bytes=1 << 20)
+    state = engine.new_state()
+    split = len(tokens) - min(decode, len(tokens) - 65)
+    ingest(engine, state, 0, tokens[:split])
+    for pos in range(split, len(tokens)):
+        ingest(engine, state, pos, [tokens[pos]])
+    want = lookup([*tokens, anchor], k, 1, max_n)
+    assert propose(engine, [state], [anchor], k)[0].tolist() == want + [-1] * (k - len(want))

@@ -204,9 +204,20 @@ def admit(store: RequestStore, session: Session, rows: RowMessage) -> Admitted:
     precise = int((rows.counts // pool.block_rows + 2).sum()) > pool.free_blocks
     handles, active = rows.handles.tolist(), session.active
     named = [s for s in (store.lookup(session, h) for h in handles) if s is not None] if precise else []
+    flagged = bad_ids > 0                     # requests that fail a row check below (one list, not B look-ups)
+    if bad is not None:
+        flagged |= bad > 0
+    if bad_anchors is not None:
+        flagged |= bad_anchors
     fresh = total = blocks = 0                # requests this message activates, pool blocks it takes
-    for i, (handle, start, count) in enumerate(zip(handles, rows.starts.tolist(), rows.counts.tolist())):
-        state = active.get(handle) or store.lookup(session, handle)
+    for i, (handle, start, flag) in enumerate(zip(handles, rows.starts.tolist(), flagged.tolist())):
+        state = active.get(handle)
+        if state is not None and not flag and not precise and start <= state.length:
+            out.index.append(i)               # active, its rows clean and the pool roomy: nothing to decide
+            out.states.append(state)
+            continue
+        count = int(rows.counts[i])
+        state = state or store.lookup(session, handle)
         try:
             if state is None and session.evicted:
                 store.check_evicted(session, handle, start)
@@ -251,31 +262,32 @@ def _keep_rows(hidden: torch.Tensor, keep: np.ndarray, stream) -> torch.Tensor:
 
 def apply(store: RequestStore, rows: RowMessage, admitted: Admitted) -> int:
     """Store the admitted requests' rows (one engine call); returns the rows stored."""
-    idx = np.asarray(admitted.index, dtype=np.int64)
-    for state in admitted.states:
+    states = admitted.states
+    for state in states:
         store.activate(state)
-    if len(idx) == 0:
+    if not states:
         return 0
-    starts, counts = rows.starts[idx], rows.counts[idx]
-    tokens, hidden = rows.tokens, rows.hidden
-    if len(idx) < rows.n:                         # some failed: keep only the admitted rows
+    starts, counts, tokens, hidden = rows.starts, rows.counts, rows.tokens, rows.hidden
+    if len(states) < rows.n:                      # some failed: keep only the admitted rows
+        idx = np.asarray(admitted.index, dtype=np.int64)
+        starts, counts = starts[idx], counts[idx]
         keep = np.repeat(np.isin(np.arange(rows.n), idx), rows.counts)
         tokens = tokens[keep]
         hidden = _keep_rows(hidden, keep, getattr(store.engine, "stream", None)) if hidden is not None else None
-    offsets = np.concatenate(([0], np.cumsum(counts)))
+    offsets = np.zeros(len(states) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
     total = int(offsets[-1])
-    changed = [j for j, (s, c) in enumerate(zip(starts.tolist(), counts.tolist()))
-               if c or s < admitted.states[j].length]            # rows to add, or a rewind
+    starts_l, counts_l, offsets_l = starts.tolist(), counts.tolist(), offsets.tolist()
+    changed = [j for j, (s, c) in enumerate(zip(starts_l, counts_l)) if c or s < states[j].length]   # rows, or a rewind
     if changed:
         positions = np.repeat(starts - offsets[:-1], counts) + np.arange(total)
-        if len(changed) < len(idx):               # only requests without rows are left out
+        if len(changed) < len(states):            # only requests without rows are left out
             starts, counts = starts[changed], counts[changed]
         store.engine.ingest(IngestBatch(
-            [admitted.states[j].engine_state for j in changed], starts.tolist(), counts.tolist(),
+            [states[j].engine_state for j in changed], starts.tolist(), counts.tolist(),
             torch.from_numpy(positions), token_tensor(tokens), hidden,
             # rows on a device here are always this server's own read of a target's slot (device_plane)
             owned=hidden is not None and hidden.device.type != "cpu"))
-    for state, start, a, b in zip(admitted.states, rows.starts[idx].tolist(), offsets[:-1].tolist(),
-                                  offsets[1:].tolist()):
+    for state, start, a, b in zip(states, starts_l, offsets_l, offsets_l[1:]):
         state.write_tokens(start, tokens[a:b])
     return total

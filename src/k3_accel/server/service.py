@@ -11,6 +11,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import msgspec
@@ -24,7 +25,7 @@ from k3_accel.server.device_plane import ServerDevicePlane
 from k3_accel.server.engines.base import DraftEngine, EngineError, EngineFault, Proposal, ProposeBatch
 from k3_accel.server.metrics import ServerMetrics
 from k3_accel.server.reconnect import reconnect
-from k3_accel.server.state import RequestError, RequestStore, Session
+from k3_accel.server.state import RequestError, RequestState, RequestStore, Session
 
 log = logging.getLogger("k3_accel.server")
 # a message handled slower than this is logged (op, seq, time; a propose also with its phases and what
@@ -232,7 +233,7 @@ class DraftService:
             seeds = torch.from_numpy(np.concatenate([np.zeros(len(i), np.int64) if s is None else s[i]
                                                      for _, s, i in pick]))
         return self.engine.propose(ProposeBatch(
-            [s.engine_state for s in states], [s.history for s in states], torch.from_numpy(anchors),
+            [s.engine_state for s in states], _Histories(states), torch.from_numpy(anchors),
             k, logits, topk, temperature, seeds))
 
     def _propose_reply(self, job: _Job, result: tuple[Proposal, int] | None) -> Reply:
@@ -324,6 +325,22 @@ class Batch:
                 job.engine_s = seconds
                 at += len(job.admitted.index)
         return [svc._propose_reply(job, results.get(id(job))) for job in self.jobs]
+
+
+class _Histories(Sequence):
+    """A propose's token histories, each read only when an engine asks for it (most never do)."""
+    __slots__ = ("_states",)
+
+    def __init__(self, states: list[RequestState]):
+        self._states = states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [state.history for state in self._states[i]]
+        return self._states[i].history
 
 
 def _failures(admitted: r.Admitted) -> list:

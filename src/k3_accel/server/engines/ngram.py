@@ -6,9 +6,11 @@ occurred earlier wins; the tokens that followed its *earliest* occurrence are
 the draft (vLLM's tie rule). Needs no weights and no hidden states.
 
 Each request keeps, per n, an index ``gram -> start of its earliest
-occurrence``, built with numpy as rows arrive (a gram of token ids below
-2**21 packs into one int64 key; a request that ever holds a larger id keys
-its grams by tuples instead), so a proposal costs O(max_n), not O(history).
+occurrence``, built with numpy as rows arrive (up to 3 token ids below
+2**21 pack into one int64 key; a request that ever holds a larger id, or an
+engine with ``max_n > 3``, keys grams by tuples instead), so a proposal costs
+O(max_n), not O(history). A decode step's row is indexed from the packed key
+of the request's last ``max_n - 1`` tokens, kept as it goes (``suffix``).
 The block pool only accounts for memory here (blocks hold no tensors).
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ DEFAULT_BUDGET_BYTES = 1 << 30
 _BITS = 21                       # bits per token id in a packed gram key
 _PACKABLE = 1 << _BITS
 _SMALL = 64                      # appends up to this many rows are indexed in plain Python
+_MASKS = tuple((1 << (_BITS * j)) - 1 for j in range(8))   # _MASKS[j]: the j newest tokens of a packed key
 
 
 def _packed(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -44,9 +47,11 @@ class NgramState:
     length: int = 0
     first: list[dict] = field(default_factory=list)   # first[n-1][key] = start of earliest occurrence
     packed: bool = True
+    suffix: int = 0              # packed key of the last max_n - 1 tokens (when packed): a decode step's keys
 
     def __post_init__(self) -> None:
         self.first = [{} for _ in range(self.max_n)]
+        self.packed = self.max_n * _BITS < 64          # a gram's key must fit an int64 (max_n <= 3)
 
     @property
     def history(self) -> np.ndarray:
@@ -72,6 +77,30 @@ class NgramState:
             self._index(0, end)                      # re-key everything as tuples
         else:
             self._index(start, end)
+        self._resuffix()
+
+    def push(self, token: int) -> None:
+        """Append one token (a decode step's row; the caller checked ``0 <= token < 2**21`` and that
+        the keys are packed): what :meth:`extend` does for it, from the kept suffix."""
+        pos = self.length
+        if pos == len(self.tokens):
+            grown = np.empty(max(2 * pos, 64), dtype=np.int64)
+            grown[:pos] = self.tokens
+            self.tokens = grown
+        self.tokens[pos] = token
+        self.length = pos + 1
+        first, suffix = self.first, self.suffix
+        first[0].setdefault(token, pos)
+        for n in range(2, min(self.max_n, pos + 1) + 1):
+            first[n - 1].setdefault(((suffix & _MASKS[n - 1]) << _BITS) | token, pos - n + 1)
+        self.suffix = ((suffix << _BITS) | token) & _MASKS[self.max_n - 1]
+
+    def _resuffix(self) -> None:
+        key = 0
+        if self.packed:
+            for t in self.tokens[max(self.length - self.max_n + 1, 0):self.length].tolist():
+                key = (key << _BITS) | t
+        self.suffix = key
 
     def _index(self, start: int, end: int) -> None:
         """Add the grams that end at positions start..end-1."""
@@ -123,39 +152,35 @@ class NgramState:
         if length < self.length:
             self.length = length
             self._index(0, length)
-
-    def keys(self, anchor: int, top: int) -> list | None:
-        """Keys of the grams of 1..top tokens that end with ``anchor`` after the history (index n-1:
-        n tokens); None when no such gram can be in the index (an id too large for a packed key)."""
-        tail = self.tokens[self.length - top + 1:self.length].tolist() if top > 1 else []
-        if not self.packed:
-            return [(*tail[len(tail) - n + 1:], anchor) for n in range(1, top + 1)]
-        if not 0 <= anchor < _PACKABLE:
-            return None
-        out, key, shift = [anchor], anchor, _BITS
-        for t in reversed(tail):                     # the newest token sits in the lowest bits
-            key |= t << shift
-            shift += _BITS
-            out.append(key)
-        return out
+            self._resuffix()
 
     def propose(self, anchor: int, k: int, min_n: int) -> list[int] | None:
         length = self.length
         top = min(self.max_n, length)
         if top < min_n:
             return None
-        keys = self.keys(anchor, top)
-        if keys is None:
+        if self.packed:
+            if not 0 <= anchor < _PACKABLE:
+                return None                          # no such gram can be in a packed index
+            suffix, first = self.suffix, self.first  # the newest token sits in the lowest bits
+            for n in range(top, min_n - 1, -1):
+                start = first[n - 1].get(((suffix & _MASKS[n - 1]) << _BITS) | anchor)
+                if start is not None:
+                    return self._continuation(start + n, k, anchor)
             return None
+        tail = self.tokens[length - top + 1:length].tolist() if top > 1 else []
         for n in range(top, min_n - 1, -1):
-            start = self.first[n - 1].get(keys[n - 1])
+            start = self.first[n - 1].get((*tail[len(tail) - n + 1:], anchor))
             if start is not None:
-                begin = start + n
-                out = self.tokens[begin:min(begin + k, length)].tolist()
-                if len(out) < k and begin + len(out) == length:
-                    out.append(anchor)               # the continuation may run into the anchor
-                return out
+                return self._continuation(start + n, k, anchor)
         return None
+
+    def _continuation(self, begin: int, k: int, anchor: int) -> list[int]:
+        """Up to ``k`` tokens from ``begin``; the continuation may run into the anchor."""
+        out = self.tokens[begin:min(begin + k, self.length)].tolist()
+        if len(out) < k and begin + len(out) == self.length:
+            out.append(anchor)
+        return out
 
 
 class NgramEngine(DraftEngine):
@@ -183,11 +208,16 @@ class NgramEngine(DraftEngine):
 
     def ingest(self, batch: IngestBatch) -> None:
         tokens = batch.token_ids.numpy()
+        ids = tokens.tolist() if len(tokens) <= 4 * len(batch.states) else None   # decode steps: a row or few each
         at = 0
         for state, start, count in zip(batch.states, batch.starts, batch.counts):
             self.pool.extend(state.table, start, count)
-            state.rewind(start)
-            state.extend(tokens[at:at + count])
+            if count == 1 and start == state.length and state.packed and ids is not None \
+                    and 0 <= ids[at] < _PACKABLE:
+                state.push(ids[at])
+            else:
+                state.rewind(start)
+                state.extend(tokens[at:at + count])
             at += count
 
     def fork(self, state: NgramState, length: int) -> NgramState:
@@ -204,4 +234,4 @@ class NgramEngine(DraftEngine):
         for state, anchor in zip(batch.states, batch.anchors.tolist()):
             found = state.propose(anchor, k, min_n)
             rows.append(found + none[len(found):] if found else none)
-        return Proposal(tokens=torch.tensor(rows, dtype=torch.int64).reshape(len(rows), k))
+        return Proposal(tokens=torch.from_numpy(np.array(rows, dtype=np.int64).reshape(len(rows), k)))
