@@ -183,3 +183,17 @@ def test_grams_longer_than_three_match_like_vllm_after_a_long_prefill(tokens, an
         ingest(engine, state, pos, [tokens[pos]])
     want = lookup([*tokens, anchor], k, 1, max_n)
     assert propose(engine, [state], [anchor], k)[0].tolist() == want + [-1] * (k - len(want))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(tokens=st.lists(st.sampled_from([0, 1, 2, 1 << 21, (1 << 21) + 1, (1 << 22) + 1]), min_size=1, max_size=30),
+       anchor=st.sampled_from([0, 1, (1 << 21) + 1]), k=st.integers(1, 4))
+def test_decode_rows_with_large_ids_match_exactly(tokens, anchor, k):
+    """Decode steps of one row each: an id past the packed-key range (it would alias a packed gram,
+    e.g. 2**21 + 1 and the pair (1, 1)) switches the request to exact keys, as a chunk does."""
+    engine = NgramEngine(block_size=4, budget_bytes=1 << 20)
+    state = engine.new_state()
+    for pos, token in enumerate(tokens):
+        ingest(engine, state, pos, [token])
+    want = lookup([*tokens, anchor], k)
+    assert propose(engine, [state], [anchor], k)[0].tolist() == want + [-1] * (k - len(want))
