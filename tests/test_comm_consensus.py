@@ -50,7 +50,7 @@ def _create_with_failure(rank, world):
     # the group still works afterwards (nobody is stuck in a collective)
     t = torch.ones(2)
     dist.all_reduce(t, group=group)
-    return created.ok, created.failure, len(abandoned), t.tolist()
+    return created.ok, created.failure, len(abandoned), t.tolist(), created.value is None
 
 
 def test_one_rank_failing_init_keeps_every_rank_off(three):
@@ -59,6 +59,7 @@ def test_one_rank_failing_init_keeps_every_rank_off(three):
     assert all("rank 1" in o[1] and "injected init_after_exchange" in o[1] for o in out)
     assert [o[2] for o in out] == [1, 0, 1]        # ranks that built one release it locally
     assert all(o[3] == [3.0, 3.0] for o in out)
+    assert all(o[4] for o in out)        # a failed consensus hands no rank its value, not even one that built it
 
 
 def _build(rank, world, mode, fail_ranks, probe_kind, report):

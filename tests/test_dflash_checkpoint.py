@@ -176,3 +176,45 @@ def test_d2t_that_maps_a_draft_id_past_the_target_vocab_is_refused(ckpt, tmp_pat
         d = _copy(base, tmp_path / name)
         _edit_tensors(d, lambda t, edit=edit: edit(t["d2t"]))
         assert "outside the target vocab" in _load_error(d, target), name
+
+
+def test_a_draft_that_does_not_fit_its_target_or_its_own_vocabulary_is_refused(ckpt, tmp_path):
+    """A draft of another vocabulary size than its target, a target layer id the target lacks
+    (ids count from 0: a 4-layer target has no layer 4) and a d2t table on a draft whose
+    vocabulary is the target's each refuse the checkpoint, naming the fault."""
+    draft, target = ckpt
+    t = _copy(target, tmp_path / "target_1024")
+    _edit_config(t, lambda c: c.__setitem__("vocab_size", 1024))
+    assert "draft vocab_size 512 != target vocab_size 1024" in _load_error(draft, t)
+
+    assert json.loads((target / "config.json").read_text())["num_hidden_layers"] == 4
+    d = _copy(draft, tmp_path / "layer4")
+    _edit_config(d, lambda c: c["dflash_config"].__setitem__("target_layer_ids", [0, 4]))
+    assert "target_layer_ids [4] do not exist" in _load_error(d, target)
+    d = _copy(draft, tmp_path / "layer3")                        # the last layer the target has: fine
+    _edit_config(d, lambda c: c["dflash_config"].__setitem__("target_layer_ids", [0, 3]))
+    assert load_dflash(d, target).config.target_layer_ids == (0, 3)
+
+    d = _copy(draft, tmp_path / "d2t_same_vocab")
+    _edit_tensors(d, lambda x: x.__setitem__("d2t", torch.zeros(512, dtype=torch.int64)))
+    assert "d2t" in _load_error(d, target) and "draft_vocab_size == vocab_size" in _load_error(d, target)
+
+
+@pytest.mark.parametrize("ids", [[0, 0], [2, 0, 2]])
+def test_target_layer_ids_listed_twice_are_refused(ckpt, tmp_path, ids):
+    draft, target = ckpt
+    d = _copy(draft, tmp_path / "dup")
+    _edit_config(d, lambda c: c["dflash_config"].__setitem__("target_layer_ids", ids))
+    assert "has duplicates" in _load_error(d, target)
+
+
+def test_a_block_of_fewer_than_two_rows_is_refused(ckpt, tmp_path):
+    """A DFlash block is the anchor plus at least one masked row: block_size 1 drafts nothing."""
+    draft, target = ckpt
+    for value in (1, 0):
+        d = _copy(draft, tmp_path / f"block{value}")
+        _edit_config(d, lambda c: c["dflash_config"].__setitem__("block_size", value))
+        assert "dflash_config.block_size" in _load_error(d, target), value
+    d = _copy(draft, tmp_path / "block2")
+    _edit_config(d, lambda c: c["dflash_config"].__setitem__("block_size", 2))
+    assert load_dflash(d, target).config.block_size == 2

@@ -88,3 +88,16 @@ def test_the_tiny_dspark_markov_head_moves_the_drafts(tmp_path):
         drafts[std] = m.propose(states, [int(a) for a in torch.randint(0, 100, (6,), generator=gen)], 4,
                                 logits="none").tokens
     assert not torch.equal(drafts[1.0], drafts[0.0])
+
+
+def test_the_draft_topk_is_bounded_by_the_draft_vocabulary_not_the_target_one(tmp_path, target):
+    """``dspark_draft_topk`` picks among the draft's own logits: with a 64-token draft vocabulary
+    (512 in the target) a top-64 loads and a top-65 is refused, naming the field and the bound."""
+    from k3_accel.server.engines.dflash.dspark_config import parse_dspark_config
+    from k3_accel.testing.tiny_dspark import tiny_dspark_weights
+
+    _, cfg = tiny_dspark_weights(target, draft_vocab_size=64, draft_topk=64)
+    assert (cfg["vocab_size"], cfg["draft_vocab_size"]) == (512, 64)
+    assert parse_dspark_config(cfg).draft_topk == 64
+    with pytest.raises(CheckpointError, match=r"dspark_draft_topk' \(65\) must be <= the draft vocabulary \(64\)"):
+        parse_dspark_config({**cfg, "dspark_draft_topk": 65})

@@ -119,3 +119,16 @@ def test_timing_log_every_n_steps(caplog):
     assert len(lines) == 2 and "stage=1.000ms" in lines[0] and "server.engine=2.000ms" in lines[0]
     snap = tel.snapshot()
     assert snap["steps"] == 4 and snap["phases"]["stage"]["count"] == 4
+
+
+def test_a_phase_reports_its_longest_time_and_server_timings_are_numbers_only():
+    """``max_ms`` is the longest of a phase's times (not its first or last); a server timing that is
+    not a number (a bool, a string) is ignored rather than counted as 1 s or 0 s."""
+    tel = Telemetry()
+    for seconds in (0.002, 0.005, 0.001):
+        tel.add("stage", seconds)
+    tel.add_server_timing({"engine": 0.004, "cached": True, "warm": False, "note": "x"})
+    phases = tel.snapshot()["phases"]
+    assert phases["stage"]["count"] == 3 and phases["stage"]["max_ms"] == pytest.approx(5.0)
+    assert set(phases) == {"stage", "server.engine"}
+    assert phases["server.engine"]["count"] == 1

@@ -40,3 +40,18 @@ def test_other_dflash_architectures_stay_local(arch):
     why = unserved_reason(_spec("dflash", arch))
     assert why is not None and arch in why
     assert unserved_reason(_spec("dflash", "DFlashDraftModel")) is None
+
+
+def _dspark(*archs: str) -> SimpleNamespace:
+    return SimpleNamespace(method="dspark", draft_model_config=SimpleNamespace(architectures=list(archs)))
+
+
+def test_only_a_qwen3_dspark_draft_goes_remote():
+    """``dspark`` is served for the Qwen3 DSpark architecture only: another DSpark architecture, or a
+    draft config that names none (nothing says it is Qwen3), keeps vLLM's own drafting."""
+    assert unserved_reason(_dspark("Qwen3DSparkModel")) is None
+    why = unserved_reason(_dspark("K3DSparkModel"))
+    assert why is not None and "K3DSparkModel" in why
+    why = unserved_reason(_dspark())
+    assert why is not None and "(none)" in why
+    assert unserved_reason(SimpleNamespace(method="dspark", draft_model_config=None)) is not None

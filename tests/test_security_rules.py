@@ -1,0 +1,68 @@
+"""The server's CURVE guard refuses a setup that could not authenticate anyone, with a typed
+:class:`SecurityError` naming the fault (the CLI turns it into a usage error), before it starts
+an authenticator: a key file holding only a public key, an authorized-keys path that is not a
+directory. Real pyzmq certificates and a real ZMQ context."""
+from __future__ import annotations
+
+import pytest
+import zmq
+import zmq.auth
+
+from k3_accel.server.security import CurveGuard, SecurityError
+
+
+@pytest.fixture()
+def certs(tmp_path):
+    keys, authorized = tmp_path / "certs", tmp_path / "authorized"
+    keys.mkdir(), authorized.mkdir()
+    zmq.auth.create_certificates(str(keys), "server")
+    zmq.auth.create_certificates(str(keys), "client")
+    (authorized / "client.key").write_bytes((keys / "client.key").read_bytes())
+    return keys, authorized
+
+
+def _refusal(ctx: zmq.Context, secret_file, authorized) -> str:
+    try:
+        guard = CurveGuard(ctx, str(secret_file), str(authorized))
+    except SecurityError as exc:
+        return str(exc)
+    guard.close()
+    pytest.fail(f"CurveGuard accepted {secret_file} / {authorized}")
+
+
+def test_a_valid_secret_key_and_directory_give_a_curve_server_socket(certs):
+    keys, authorized = certs
+    ctx = zmq.Context()
+    guard = CurveGuard(ctx, str(keys / "server.key_secret"), str(authorized))
+    try:
+        public, secret = zmq.auth.load_certificate(str(keys / "server.key_secret"))
+        assert (guard.public, guard.secret) == (public, secret)
+        sock = ctx.socket(zmq.ROUTER)
+        guard.apply(sock)
+        assert sock.curve_server == 1
+        sock.close(0)
+    finally:
+        guard.close()
+        ctx.term()
+
+
+def test_a_key_file_without_a_secret_key_is_refused(certs):
+    keys, authorized = certs
+    ctx = zmq.Context()
+    try:
+        msg = _refusal(ctx, keys / "server.key", authorized)        # the public half only
+        assert "holds no secret key" in msg and "server.key" in msg
+    finally:
+        ctx.term()
+
+
+@pytest.mark.parametrize("where", ["missing", "a_file"])
+def test_authorized_keys_that_are_not_a_directory_are_refused(certs, where):
+    keys, authorized = certs
+    path = authorized / "client.key" if where == "a_file" else authorized / "nowhere"
+    ctx = zmq.Context()
+    try:
+        msg = _refusal(ctx, keys / "server.key_secret", path)
+        assert "--curve-authorized-keys" in msg and "not a directory" in msg and str(path) in msg
+    finally:
+        ctx.term()
