@@ -50,6 +50,15 @@ def test_capacity_below_max_num_seqs_is_a_note_not_a_failure(ngram, checkpoints)
     assert "capacity: target runs up to 1024 requests (max_num_seqs), the server admits 64 per client" in run.stdout
 
 
+def test_other_ngram_sizes_are_a_note_naming_the_server_flags(ngram, checkpoints):
+    target, _ = checkpoints
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5, "prompt_lookup_max": 5}
+    run = doctor(ngram.address, target, spec, "--max-num-seqs", "16")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "the server matches grams of 1..3 tokens, the target's prompt_lookup_min/max are 5..5" in run.stdout
+    assert "--ngram-min 5 --ngram-max 5" in run.stdout
+
+
 def test_k_beyond_the_server_is_a_failure_naming_both_values(ngram, checkpoints):
     target, _ = checkpoints
     run = doctor(ngram.address, target, {"method": "ngram", "num_speculative_tokens": 40})

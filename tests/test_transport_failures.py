@@ -126,3 +126,32 @@ def test_wrong_protocol_version_reply_is_incompatible():
 def test_refused_hello_is_incompatible():
     with pytest.raises(IncompatibleServer, match="no valid caps"):
         handshake.check(p.Reply(seq=1, ok=True, server_id="s", result={}), NEEDS)
+
+
+def test_other_ngram_sizes_are_a_warning_not_a_refusal():
+    """vLLM's prompt_lookup_min/max (5/5 when unset) against the server's --ngram-min/--ngram-max:
+    another size still drafts usefully, so the target connects and is told how to match."""
+    server = caps(engine="ngram", needs_hidden_states=False, context_width=0,
+                  draft={"prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    target = handshake.TargetNeeds(0, torch.bfloat16, 4, draft={"engine": "ngram", "prompt_lookup_min": 5,
+                                                                "prompt_lookup_max": 5})
+    assert handshake.problems(server, target) == []
+    assert handshake.warnings(server, target) == [
+        "n-gram sizes: the server matches grams of 1..3 tokens, the target's prompt_lookup_min/max are 5..5: "
+        "its drafts differ from vLLM's own ngram (start the server with --ngram-min 5 --ngram-max 5)"]
+    same = handshake.TargetNeeds(0, torch.bfloat16, 4, draft={"engine": "ngram", "prompt_lookup_min": 1,
+                                                              "prompt_lookup_max": 3})
+    assert handshake.warnings(server, same) == [] and handshake.problems(server, same) == []
+    dflash = caps(draft={})
+    assert "draft engine: the target's method needs a ngram server, the server runs dflash" in \
+        handshake.problems(dflash, same)
+
+
+def test_the_ngram_target_names_vllm_sizes_and_the_server_its_own():
+    from types import SimpleNamespace
+
+    from k3_accel.server.engines.ngram import NgramEngine
+    from k3_accel.vllm.spec_decode.methods import draft_signature
+    spec = SimpleNamespace(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4)
+    assert draft_signature(spec) == {"engine": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert NgramEngine(min_n=2, max_n=4).caps.draft == {"prompt_lookup_min": 2, "prompt_lookup_max": 4}

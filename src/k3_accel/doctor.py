@@ -74,6 +74,7 @@ def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[h
         raise DoctorError("--speculative-config needs \"method\" and \"num_speculative_tokens\" >= 1")
     archs: list[str] = []
     layers: tuple[int, ...] = ()
+    draft: dict[str, Any] = {}
     if spec.get("model"):
         draft = _read_json(Path(spec["model"]) / "config.json", "draft model (speculative_config.model)")
         archs = draft.get("architectures") or []
@@ -89,8 +90,11 @@ def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[h
                                   num_speculative_tokens=k, vocab_size=int(text.get("vocab_size", 0)),
                                   hidden_size=hidden if ships else 0, aux_layer_ids=layers if ships else (),
                                   max_requests=max_num_seqs,
-                                  draft=draft_signature(SimpleNamespace(method=method, draft_model_config=(
-                                      SimpleNamespace(hf_config=SimpleNamespace(**draft))))) if spec.get("model") else {})
+                                  draft=draft_signature(SimpleNamespace(
+                                      method=method, prompt_lookup_min=spec.get("prompt_lookup_min"),
+                                      prompt_lookup_max=spec.get("prompt_lookup_max"), draft_model_config=(
+                                          SimpleNamespace(hf_config=SimpleNamespace(**draft)))))
+                                  if spec.get("model") or method == "ngram" else {})
     spec_ns = SimpleNamespace(method=method, draft_model_config=SimpleNamespace(architectures=archs),
                               draft_heads=int(draft.get("num_attention_heads", 0)) if spec.get("model") else 0,
                               draft_tp=spec.get("draft_tensor_parallel_size"),

@@ -152,7 +152,7 @@ class Caps(msgspec.Struct, frozen=True, kw_only=True):
     share_weight: int = 0                # this session's weight in that division (fair_share only)
     share_blocks: int = 0                # pool blocks this session was guaranteed at hello
     share_requests: int = 0              # active requests it was guaranteed at hello
-    draft: dict[str, Any] = {}           # the draft model's facts a target's draft config must match (DSpark)
+    draft: dict[str, Any] = {}           # the draft's facts a target's draft config must match (DSpark; n-gram sizes)
     confidence: bool = False             # propose replies carry ``confidence`` [n, k] float32
     sampling: bool = False               # proposes may carry temperatures and seeds (sampled drafts)
     device_plane: DeviceOffer = msgspec.field(default_factory=DeviceOffer)

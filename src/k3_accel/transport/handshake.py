@@ -68,9 +68,13 @@ def problems(caps: Caps, needs: TargetNeeds) -> list[str]:
     return out
 
 
+# draft facts a server may differ in and still draft usefully (n-gram sizes): warned of, not refused
+ADVISORY_DRAFT_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
+
+
 def _draft_problems(caps: Caps, needs: TargetNeeds) -> list[str]:
     """The draft model the target's speculative config names (DSpark: layout, vocabulary, heads)."""
-    want = dict(needs.draft)
+    want = {key: value for key, value in needs.draft.items() if key not in ADVISORY_DRAFT_KEYS}
     engine = want.pop("engine", None)
     if engine and caps.engine != engine:
         return [f"draft engine: the target's method needs a {engine} server, the server runs {caps.engine}"]
@@ -97,11 +101,17 @@ def _hidden_problems(caps: Caps, needs: TargetNeeds) -> list[str]:
 
 
 def warnings(caps: Caps, needs: TargetNeeds) -> list[str]:
-    """Fit but not fully: what the target should know (capacity)."""
+    """Fit but not fully: what the target should know (capacity, n-gram sizes)."""
     out = []
     if needs.max_requests and caps.max_requests and needs.max_requests > caps.max_requests:
         out.append(f"capacity: target runs up to {needs.max_requests} requests (max_num_seqs), the server "
                    f"admits {caps.max_requests} per client: the excess is not drafted")
+    if any(key in needs.draft and caps.draft.get(key) != needs.draft[key] for key in ADVISORY_DRAFT_KEYS):
+        lo, hi = (needs.draft.get(key, "?") for key in ADVISORY_DRAFT_KEYS)
+        out.append(f"n-gram sizes: the server matches grams of {caps.draft.get(ADVISORY_DRAFT_KEYS[0], '?')}.."
+                   f"{caps.draft.get(ADVISORY_DRAFT_KEYS[1], '?')} tokens, the target's prompt_lookup_min/max are "
+                   f"{lo}..{hi}: its drafts differ from vLLM's own ngram (start the server with "
+                   f"--ngram-min {lo} --ngram-max {hi})")
     return out
 
 

@@ -190,7 +190,8 @@ class NgramEngine(DraftEngine):
             raise ValueError(f"ngram sizes: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.caps = EngineCaps(kind="ngram", needs_hidden_states=False, context_width=0,
-                               hidden_dtypes=(), max_spec_tokens=max_spec_tokens, block_size=block_size)
+                               hidden_dtypes=(), max_spec_tokens=max_spec_tokens, block_size=block_size,
+                               draft={"prompt_lookup_min": min_n, "prompt_lookup_max": max_n})   # vLLM's names
         self.pool = BlockPool(max(1, budget_bytes // (block_size * self.bytes_per_row)), block_size)
 
     @property

@@ -39,7 +39,12 @@ def unserved_reason(spec: Any) -> str | None:
 
 def draft_signature(spec: Any) -> dict[str, Any]:
     """What the target's draft config says the server's drafts must be (empty: nothing to
-    check): for ``dspark``, the engine and the DSpark facts the handshake compares."""
+    check): for ``dspark``, the engine and the DSpark facts the handshake compares; for ``ngram``,
+    the engine and vLLM's prompt-lookup sizes (a mismatch there is only warned of)."""
+    if spec.method == "ngram":
+        sizes = {key: int(getattr(spec, key)) for key in ("prompt_lookup_min", "prompt_lookup_max")
+                 if getattr(spec, key, None)}
+        return {"engine": "ngram", **sizes}
     if spec.method != "dspark":
         return {}
     from k3_accel.server.engines.dflash.dspark_config import dspark_signature
