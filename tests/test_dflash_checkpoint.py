@@ -110,6 +110,8 @@ def test_missing_and_misshapen_tensors(ckpt, tmp_path):
     ("dflash_config.target_layer_ids", [], "dflash_config.target_layer_ids"),
     ("dflash_config.target_layer_ids", [0, 9], "target_layer_ids [9]"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_type 'yarn'"),
+    ("rope_scaling", {"rope_type": "default", "rope_dim": 16.0}, "rope_parameters.rope_dim"),
+    ("rope_scaling", {"rope_type": "default", "rope_dim": "16"}, "rope_parameters.rope_dim"),
     ("dflash_config.use_swa", True, "sliding-window"),
 ])
 def test_bad_config_field(ckpt, tmp_path, field, value, expect):

@@ -121,7 +121,8 @@ def _rope(cfg: Mapping[str, Any], head_dim: int, where: str) -> tuple[float, int
     theta = _pos_float(theta, "rope_theta", where)
     factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     factor = _pos_float(factor, "partial_rotary_factor", where)
-    rotary_dim = params.get("rope_dim") or int(head_dim * factor)
+    given = params.get("rope_dim")
+    rotary_dim = _pos_int(given, "rope_parameters.rope_dim", where) if given is not None else int(head_dim * factor)
     if factor > 1.0 or rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise CheckpointError(f"{where}: bad rotary dimension {rotary_dim} for head_dim {head_dim}")
     return theta, rotary_dim
