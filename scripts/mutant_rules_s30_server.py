@@ -33,6 +33,9 @@ S30_SERVER_MUTANTS = (
            "            if count == 1 and start == state.length and state.packed and ids is not None \\\n"
            "                    and 0 <= ids[at] < _PACKABLE:",
            "            if count == 1 and start == state.length and state.packed and ids is not None:", NGRAM),
+    Mutant("s30-histories-first-only", "an engine reading histories gets each request's own", "server/service.py",
+           "        return self._states[i].history\n", "        return self._states[0].history\n",
+           ("tests/test_server_rules.py", "tests/test_server.py")),
     Mutant("s30-apply-history-rows", "each request's stored history holds its own rows", ROWS,
            "    for state, start, a, b in zip(states, starts_l, offsets_l, offsets_l[1:]):",
            "    for state, start, a, b in zip(states, starts_l, offsets_l[1:], offsets_l[2:] + [total]):",

@@ -255,3 +255,24 @@ def test_an_engine_failure_fails_only_its_groups_messages_and_the_server_goes_on
     again = svc.propose(a, 2, [(0, 5, [], 3)])                 # the failed session drafts from what it stored
     assert codes(again) == {} and again.tensors["drafts"].tolist() == [ngram_lookup(hist_a + [3], 2)]
     svc.check_pool()
+
+
+def test_an_engine_that_reads_histories_gets_each_requests_own_tokens():
+    """``ProposeBatch.histories[i]`` is request i's stored context (positions 0..length-1), in the
+    batch's order, after this message's rows (an engine may draft from the history: the oracle
+    engine does); a request whose rows failed admission is not in the batch."""
+    svc = LocalService(blocks=64, block_size=4)
+    seen = []
+    propose = svc.engine.propose
+
+    def recording(batch):
+        seen.append(([list(map(int, batch.histories[i])) for i in range(len(batch.histories))],
+                     [list(map(int, h)) for h in batch.histories[0:len(batch.states)]]))
+        return propose(batch)
+    svc.engine.propose = recording
+    s = svc.session(A)
+    assert codes(svc.ingest(s, [(0, 0, [1, 2, 3]), (1, 0, [7, 8]), (2, 0, [5])])) == {}
+    reply = svc.propose(s, 2, [(2, 1, [6], 1), (0, 3, [4], 2), (1, 9, [9], 3)])   # handle 1: a gap, refused
+    assert codes(reply) == {2: "CONTEXT_GAP"}
+    by_index, by_slice = seen[-1]
+    assert by_index == by_slice == [[5, 6], [1, 2, 3, 4]]
