@@ -66,3 +66,15 @@ def test_authorized_keys_that_are_not_a_directory_are_refused(certs, where):
         assert "--curve-authorized-keys" in msg and "not a directory" in msg and str(path) in msg
     finally:
         ctx.term()
+
+
+def test_a_host_that_resolves_to_no_address_is_not_taken_for_loopback(monkeypatch):
+    """Binding is refused without CURVE unless every address the host resolves to is loopback:
+    a resolver that returns nothing proves nothing, so it counts as not loopback."""
+    import socket
+
+    from k3_accel.server import security
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [])
+    assert security.is_loopback("somewhere") is False
+    with pytest.raises(security.SecurityError, match="not a loopback address"):
+        security.check_bind("somewhere", curve=False, allow_insecure=False)

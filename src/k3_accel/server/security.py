@@ -22,7 +22,7 @@ def is_loopback(host: str) -> bool:
         addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except socket.gaierror as exc:
         raise SecurityError(f"--host {host!r} does not resolve: {exc}") from None
-    return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)   # none: not known loopback
 
 
 def check_bind(host: str, curve: bool, allow_insecure: bool) -> None:
