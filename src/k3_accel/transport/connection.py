@@ -150,7 +150,11 @@ class Connection:
             sock.curve_serverkey = self.curve.server_public
             sock.curve_publickey = self.curve.client_public
             sock.curve_secretkey = self.curve.client_secret
-        sock.connect(self.address)
+        try:
+            sock.connect(self.address)
+        except zmq.ZMQError as exc:         # an address ZMQ refuses (an ipc path too long, a host of "*")
+            sock.close(linger=0)            # an unclosed socket would block the context's term() forever
+            raise TransportError(f"cannot connect to {self.address}: {exc}") from None
         self._sock = sock
         self._open_socks.append(sock)
 

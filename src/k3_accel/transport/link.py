@@ -76,9 +76,9 @@ class Link:
         if self.state is not State.NEW:
             raise RuntimeError(f"start() called in state {self.state.value}")
         now = time.monotonic()
-        self._open(now)
         wait_s = min(wait_s, self.settings.timeout_s)
         try:
+            self._open(now)
             if not self.conn.writable(wait_s):
                 if wait_s >= self.settings.timeout_s:
                     raise TransportTimeout(f"draft server at {self.settings.address} not reachable")
