@@ -63,3 +63,15 @@ def test_unknown_key_error_lists_allowed_keys():
     with pytest.raises(ConfigError) as info:
         load_config({"k3_accel": {"nope": 1}}, environ={})
     assert all(k in str(info.value) for k in ALLOWED_KEYS)
+
+
+@pytest.mark.parametrize("address", ["tcp://*:5557", "tcp://10.0.0.2 :5557", "tcp://my host:5557"])
+def test_an_address_zmq_cannot_connect_to_is_refused_when_read(address):
+    """The server side's bind idiom ``tcp://*:PORT`` (or a host with a blank) is no address a
+    client can connect to: ZMQ refuses it at connect, so it is refused here, naming the key,
+    instead of leaving drafting off at the first step."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, environ={"VLLM_K3_DRAFT_REMOTE_ADDRESS": address})
+    assert "VLLM_K3_DRAFT_REMOTE_ADDRESS" in str(info.value) and "expected tcp://HOST:PORT" in str(info.value)
+    for ok in ("tcp://[::1]:5557", "tcp://localhost:5557", "tcp://0.0.0.0:5557"):
+        assert load_config(None, environ={"VLLM_K3_DRAFT_REMOTE_ADDRESS": ok}).draft_address == ok

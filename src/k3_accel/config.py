@@ -79,7 +79,9 @@ def check_address(text: str, key: str = "address") -> str:
     ok = False
     if isinstance(text, str) and text.startswith("tcp://"):
         host, _, port = text[len("tcp://"):].rpartition(":")
-        ok = bool(host) and port.isdigit() and 0 < int(port) < 65536
+        # a host to connect to: not a bind wildcard ("*"), no blanks (ZMQ refuses either at connect)
+        ok = bool(host) and "*" not in host and not any(ch.isspace() for ch in host) \
+            and port.isdigit() and 0 < int(port) < 65536
     elif isinstance(text, str) and text.startswith("ipc://"):
         ok = len(text) > len("ipc://")
     if not ok:
