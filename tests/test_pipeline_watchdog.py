@@ -287,3 +287,28 @@ def test_a_step_the_controller_drafts_nothing_for_releases_the_gpu_before_its_re
     finally:
         client.gate.set()
         pipe.close(5)
+
+
+def test_closing_a_pipeline_the_watchdog_stopped_still_closes_its_client():
+    """The watchdog turns remote drafting off, but the engine's shutdown must still close the
+    client (its goodbye frees the session's contexts on the server, its socket and threads end):
+    a stall is no reason to leak them."""
+    class Client(NoClient):
+        closed = 0
+
+        def close(self):
+            Client.closed += 1
+
+    failures: list[str] = []
+    pipe = DraftPipeline(Client(), HostFence(), 4, 3, lambda kind, what: failures.append(kind), stall_s=0.3)
+    launch = StuckLaunch()
+    try:
+        seq = pipe.submit(launch, propose=True)
+        assert pipe.fence.wait(seq, timeout=60) and pipe.stalled
+    finally:
+        launch.gate.set()
+        pipe.close(5)
+        pipe.close(5)                                  # idempotent
+    assert Client.closed == 1
+    pipe._thread.join(10)
+    assert not pipe._thread.is_alive()                 # the draft thread was told to stop too

@@ -73,7 +73,8 @@ class DraftPipeline(StepWatch):
         self._seq = 0
         self._off_budget = 0                          # V1 steps that may go unwaited for (step_v1)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
+        self._closed = False                           # no more work taken (close, or the watchdog)
+        self._shut = False                             # close() ran: the thread stopped, the client closed
         self._thread = threads.start(self._run, "k3-draft")
         self._pending: dict[int, list] = {}           # fence value -> [submitted, launch, GPU reached it] (monotonic)
         self._expired: set[int] = set()                # released by the deadline, still running
@@ -277,10 +278,10 @@ class DraftPipeline(StepWatch):
 
     def close(self, timeout: float) -> None:
         """Stop the thread after the queued work (bounded), close the client; the fence is
-        released for good either way. Idempotent."""
-        if self._closed:
+        released for good either way. Idempotent; a pipeline the watchdog stopped is closed too."""
+        if self._shut:
             return
-        self._closed = True
+        self._shut = self._closed = True
         self._jobs.put(_STOP)
         self._thread.join(timeout)
         self.fence.close()
