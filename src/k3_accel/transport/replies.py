@@ -30,9 +30,12 @@ class ReplyReader:
         drafts = reply.tensors.get("drafts") if reply.ok else None
         if drafts is None:
             return
-        if tuple(drafts.shape) != (len(rows), inp.k):
+        want = (len(rows), inp.k)                 # drafts [n, k]; logits, top-k, confidence [n, k, ...]
+        wrong = next((name for name, t in reply.tensors.items()
+                      if tuple(t.shape[:2]) != want or (name == "drafts" and t.dim() != 2)), None)
+        if wrong is not None:
             self.failures.push(FailureKind.MESSAGE, [inp.req_ids[i] for i in rows.tolist()],
-                               f"drafts shape {list(drafts.shape)} != [{len(rows)}, {inp.k}]")
+                               f"{wrong} shape {list(reply.tensors[wrong].shape)} != [{len(rows)}, {inp.k}, ...]")
             return
         d = drafts.numpy()
         vocab = self.vocab
