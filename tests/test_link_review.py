@@ -29,3 +29,70 @@ def test_an_address_zmq_cannot_connect_to_leaves_the_link_down_without_raising()
         assert not link.conn.is_open
     finally:
         link.close()
+
+
+class _Router:
+    """A stand-in server socket the test thread answers by hand (no timing: each reply is sent
+    only once the hello is there)."""
+
+    def __init__(self) -> None:
+        import zmq
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+
+    def answer_hello(self, link: Link, reply_for) -> None:
+        import zmq
+        from helpers.steps import wait_until
+        from k3_accel import protocol as p
+        got: list = []
+
+        def hello_here() -> bool:
+            link.service()
+            if self.sock.poll(10, zmq.POLLIN):
+                got.append(self.sock.recv_multipart())
+            return bool(got)
+        assert wait_until(hello_here, timeout=60)
+        ident, *frames = got[0]
+        req = p.decode_request(frames)
+        assert req.op == "hello"
+        self.sock.send_multipart([ident, *p.encode_reply(reply_for(req.seq))])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _caps() -> dict:
+    import msgspec
+    from k3_accel import protocol as p
+    return msgspec.to_builtins(p.Caps(engine="ngram", needs_hidden_states=False, context_width=0,
+                                      hidden_dtypes=[], supports_logits=False, supports_topk=False,
+                                      max_spec_tokens=8, block_size=16, vocab_size=0))
+
+
+def test_a_hello_refused_because_the_server_is_stopping_is_retried_not_incompatible_for_good():
+    """A hello that reaches a server while it stops (a restart) is answered SHUTTING_DOWN: that
+    says nothing about whether the server fits this target, so the link reconnects (with backoff)
+    and drafts once the restarted server answers, instead of turning drafting off for good."""
+    from helpers.steps import wait_until
+    from k3_accel import protocol as p
+    from k3_accel.protocol import ErrorCode, Reply
+    router = _Router()
+    ready: list = []
+    link = Link(settings(router.address, timeout_ms=60_000, backoff_initial_ms=1, backoff_max_ms=1),
+                Telemetry(), on_ready=ready.append, on_state_lost=lambda why: None)
+    try:
+        link.start(0)
+        router.answer_hello(link, lambda seq: p.error_reply(seq, "srv-old", ErrorCode.SHUTTING_DOWN,
+                                                            "server is stopping"))
+        assert wait_until(lambda: (link.service(), link.state is not State.CONNECTING)[1], timeout=60)
+        assert link.state is not State.INCOMPATIBLE, link.problem
+        router.answer_hello(link, lambda seq: Reply(seq, True, "srv-new", result=_caps()))
+        assert wait_until(lambda: (link.service(), link.ready)[1], timeout=60)
+        assert ready and ready[0].engine == "ngram"
+    finally:
+        link.close()
+        router.close()

@@ -137,6 +137,10 @@ class Link:
         self._hello = self.conn.send(p.Hello(s.session, s.client_name))
 
     def _accept(self, reply: Reply) -> None:
+        if not reply.ok and reply.error and reply.error[0] == p.ErrorCode.SHUTTING_DOWN.value:
+            # a server that stops (a restart) says nothing about whether it fits: try again later
+            self.lose(TransportError(f"hello refused: {reply.error[0]}: {reply.error[1]}"))
+            return
         needs = handshake.TargetNeeds.from_settings(self.settings)
         try:
             caps = handshake.check(reply, needs)
