@@ -96,9 +96,9 @@ def test_reply_frames_must_match_header():
     with pytest.raises(ProtocolError) as info:
         p.decode_reply(frames[:1])
     assert info.value.code is ErrorCode.FRAME_MISMATCH
-    with pytest.raises(ProtocolError) as info:
+    with pytest.raises(ProtocolError) as info:              # the seq is known: its pending is answered now
         p.decode_reply([frames[0], frames[1][:-1]])
-    assert info.value.code is ErrorCode.FRAME_MISMATCH
+    assert info.value.code is ErrorCode.FRAME_MISMATCH and info.value.seq == 1
     with pytest.raises(ProtocolError) as info:              # a frame the header does not name
         p.decode_reply([*frames, frames[1]])
     assert info.value.code is ErrorCode.FRAME_MISMATCH and info.value.seq == 1
@@ -109,6 +109,16 @@ def test_a_reply_tensor_of_a_dtype_that_does_not_travel_is_a_typed_error():
     with pytest.raises(ProtocolError) as info:
         p.decode_reply([msgspec.msgpack.encode(head), bytes(8)])
     assert info.value.code is ErrorCode.BAD_FIELD and "complex64" in info.value.message and info.value.seq == 5
+
+
+def test_a_reply_tensor_whose_shape_has_negative_sizes_is_a_typed_error():
+    """[-2, -4] has the byte count of [2, 4]: the frame must still not decode (torch would raise a
+    RuntimeError out of the client's reply reading instead of answering the pending, typed)."""
+    for shape, size in (([-2, -4], 64), ([-1, 8], 64), ([-1, 0], 0)):
+        head = p.ReplyHeader(p.PROTOCOL_VERSION, 6, True, "s", tensors=[("drafts", "int64", shape)])
+        with pytest.raises(ProtocolError) as info:
+            p.decode_reply([msgspec.msgpack.encode(head), bytes(size)])
+        assert info.value.code is ErrorCode.FRAME_MISMATCH and info.value.seq == 6
 
 
 def test_declared_hidden_size_limit():

@@ -87,6 +87,8 @@ def frame_tensor(frame: Any, dtype: torch.dtype, shape: Sequence[int], what: str
     """A (read-only, zero-copy) tensor over a frame; FRAME_MISMATCH if the size is wrong."""
     buf = frame_bytes(frame)
     nbytes = math.prod(shape) * dtype.itemsize
+    if any(d < 0 for d in shape):                 # [-2, -4] has the bytes of [2, 4]
+        raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"{what}: the header's shape {list(shape)} has a negative size")
     if buf.nbytes != nbytes:
         raise ProtocolError(ErrorCode.FRAME_MISMATCH,
                             f"{what}: frame has {buf.nbytes} bytes, header implies {nbytes}")
@@ -98,6 +100,8 @@ def frame_tensor(frame: Any, dtype: torch.dtype, shape: Sequence[int], what: str
 def frame_array(frame: Any, dtype: np.dtype, shape: Sequence[int], what: str) -> np.ndarray:
     buf = frame_bytes(frame)
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if any(d < 0 for d in shape):
+        raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"{what}: the header's shape {list(shape)} has a negative size")
     if buf.nbytes != nbytes:
         raise ProtocolError(ErrorCode.FRAME_MISMATCH,
                             f"{what}: frame has {buf.nbytes} bytes, header implies {nbytes}")

@@ -87,7 +87,11 @@ def decode_reply(frames: Sequence[Any]) -> Reply:
     for (name, dtype, shape), frame in zip(head.tensors, frames[1:]):
         if dtype not in DTYPES:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"reply tensor {name}: dtype {dtype!r}", head.seq)
-        tensors[name] = frame_tensor(frame, DTYPES[dtype], shape, name)
+        try:
+            tensors[name] = frame_tensor(frame, DTYPES[dtype], shape, name)
+        except ProtocolError as exc:      # the seq is known: the pending gets the typed error now
+            exc.seq = head.seq
+            raise
     return Reply(head.seq, head.ok, head.server_id, head.error, head.failures, head.result, tensors)
 
 
