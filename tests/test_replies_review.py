@@ -40,3 +40,11 @@ def test_a_confidence_of_the_wrong_shape_fails_the_proposing_requests_typed():
         assert [(f.kind, f.ids) for f in failures] == [(FailureKind.MESSAGE, ("a", "c"))]
         assert out.drafts.tolist() == [[-1, -1]] * 3       # no drafts from a reply it cannot read
         assert "confidence" not in out.extra
+
+
+def test_a_tensor_this_client_does_not_know_never_fails_the_reply():
+    """A newer server's extra tensor: kept when it has a row per request, else left out; the drafts stand."""
+    drafts = torch.tensor([[7, 8], [9, 10]], dtype=torch.int32)
+    out, failures = _fill({"drafts": drafts, "per_request": torch.ones(2), "summary": torch.ones(5)})
+    assert failures == [] and out.drafts.tolist() == [[7, 8], [-1, -1], [9, 10]]
+    assert out.extra["per_request"].tolist() == [1.0, 0.0, 1.0] and "summary" not in out.extra

@@ -19,6 +19,18 @@ from k3_accel.transport.timing import Telemetry
 log = logging.getLogger("k3_accel.transport")
 
 
+PER_DRAFT = ("drafts", "confidence", "logits", "topk_values", "topk_indices")   # [n, k, ...] each
+
+
+def _fits(name: str, t: torch.Tensor, n: int, k: int) -> bool:
+    """Whether reply tensor ``name`` has a row per proposing request (and, per draft, a column per draft)."""
+    if name == "drafts":
+        return tuple(t.shape) == (n, k)
+    if name in PER_DRAFT:
+        return tuple(t.shape[:2]) == (n, k)
+    return t.dim() >= 1 and t.shape[0] == n           # one this client does not know: kept if per request
+
+
 class ReplyReader:
     def __init__(self, address: str, vocab: int, failures: FailureQueue, telemetry: Telemetry):
         self.address, self.vocab = address, vocab
@@ -30,9 +42,8 @@ class ReplyReader:
         drafts = reply.tensors.get("drafts") if reply.ok else None
         if drafts is None:
             return
-        want = (len(rows), inp.k)                 # drafts [n, k]; logits, top-k, confidence [n, k, ...]
         wrong = next((name for name, t in reply.tensors.items()
-                      if tuple(t.shape[:2]) != want or (name == "drafts" and t.dim() != 2)), None)
+                      if name in PER_DRAFT and not _fits(name, t, len(rows), inp.k)), None)
         if wrong is not None:
             self.failures.push(FailureKind.MESSAGE, [inp.req_ids[i] for i in rows.tolist()],
                                f"{wrong} shape {list(reply.tensors[wrong].shape)} != [{len(rows)}, {inp.k}, ...]")
@@ -48,7 +59,7 @@ class ReplyReader:
         if len(reply.tensors) > 1:
             index = torch.from_numpy(rows)
             for name, t in reply.tensors.items():
-                if name != "drafts":
+                if name != "drafts" and _fits(name, t, len(rows), inp.k):
                     full = torch.zeros((inp.num_requests, *t.shape[1:]), dtype=t.dtype)
                     full[index] = t
                     if name == "logits":
