@@ -158,6 +158,20 @@ def test_a_propose_here_whose_rows_are_still_on_their_way_is_waited_for_up_to_th
     assert g.wait_s(["a"], pending=["b"]) == 0
 
 
+def test_housekeeping_does_not_forget_a_session_whose_first_propose_is_here():
+    """The loop's housekeeping forgets sessions silent for FORGET_S; one whose first propose just
+    arrived (never answered yet) is not silent: its rows on their way are still waited for."""
+    clock = Clock()
+    g = Gather(1.0 * MS, clock=clock)
+    g.arrived("a")
+    g.arrived("b")
+    g.forget()                                        # housekeeping runs between the loop's rounds
+    assert 0 < g.wait_s(["a"], pending=["b"]) <= 1.0 * MS + EPS
+    clock.t += 61.0                                   # silent past FORGET_S: forgotten then
+    g.forget()
+    assert g.wait_s(["a"], pending=["b"]) == 0
+
+
 def test_a_propose_whose_rows_never_come_is_not_waited_for_again():
     """A target that died mid-step leaves a propose whose device read never completes: a round
     is not held for it once it has been pending longer than the limit."""

@@ -18,6 +18,7 @@ the clock is injectable for tests.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -69,9 +70,11 @@ class Gather:
         self.held_since = None
 
     def forget(self) -> None:
-        """Drop sessions silent for FORGET_S (closed ones among them)."""
+        """Drop sessions silent for FORGET_S (closed ones among them): neither answered nor arrived
+        since (one whose first propose is here, not answered yet, is not silent)."""
         now = self.clock()
-        for key in [k for k, p in self._peers.items() if p.answered_at is None or now - p.answered_at > FORGET_S]:
+        for key in [k for k, p in self._peers.items()
+                    if now - max(t for t in (p.answered_at, p.arrived_at, -math.inf) if t is not None) > FORGET_S]:
             del self._peers[key]
 
     # ---------------------------------------------------------------- decision
