@@ -96,3 +96,30 @@ def test_a_hello_refused_because_the_server_is_stopping_is_retried_not_incompati
     finally:
         link.close()
         router.close()
+
+
+def test_a_new_hello_that_cannot_be_sent_never_revives_the_old_one():
+    """The server forgot this client's session (NO_SESSION): the link says hello again. When that
+    hello cannot even be queued (the server went away meanwhile), the link must not take the
+    previous, answered hello for the new one's answer and call itself ready on a session the server
+    no longer holds."""
+    from helpers.steps import wait_until
+    from k3_accel.protocol import Reply
+    router = _Router()
+    ready: list = []
+    link = Link(settings(router.address, timeout_ms=60_000), Telemetry(), on_ready=ready.append,
+                on_state_lost=lambda why: None)
+    try:
+        link.start(0)
+        router.answer_hello(link, lambda seq: Reply(seq, True, "srv", result=_caps()))
+        assert wait_until(lambda: (link.service(), link.ready)[1], timeout=60)
+        router.close()                                  # the server goes away
+        assert wait_until(lambda: not link.conn.writable(0), timeout=60)   # ZMQ has seen the peer leave
+        try:
+            link.rehello("the server reclaimed this client's session")
+        except TransportError as exc:                   # nothing can be queued: no peer
+            assert "not connected" in str(exc)
+        link.service()
+        assert not link.ready and len(ready) == 1, "the old hello's answer was taken for the new one"
+    finally:
+        link.close()

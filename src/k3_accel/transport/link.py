@@ -173,7 +173,8 @@ class Link:
         log.warning("k3 draft server %s lost this client's session (%s); starting a new one",
                     self.settings.address, why)
         self.on_state_lost(why)
-        self.state, self._since = State.CONNECTING, time.monotonic()
+        # no hello in flight until the new one is queued: the old one's answer is no answer to it
+        self.state, self._since, self._hello = State.CONNECTING, time.monotonic(), None
         self._send_hello()
 
     def lose(self, exc: Exception) -> None:
