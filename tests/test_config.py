@@ -75,3 +75,13 @@ def test_an_address_zmq_cannot_connect_to_is_refused_when_read(address):
     assert "VLLM_K3_DRAFT_REMOTE_ADDRESS" in str(info.value) and "expected tcp://HOST:PORT" in str(info.value)
     for ok in ("tcp://[::1]:5557", "tcp://localhost:5557", "tcp://0.0.0.0:5557"):
         assert load_config(None, environ={"VLLM_K3_DRAFT_REMOTE_ADDRESS": ok}).draft_address == ok
+
+
+def test_an_ipc_path_longer_than_a_unix_socket_name_is_refused_when_read():
+    """The server refuses such an --ipc-path (107 bytes at most); the client's address obeys the
+    same limit instead of failing at connect, leaving drafting off."""
+    fits = "ipc:///tmp/" + "k" * (107 - len("/tmp/"))
+    assert load_config(None, environ={"VLLM_K3_DRAFT_REMOTE_ADDRESS": fits}).draft_address == fits
+    with pytest.raises(ConfigError) as info:
+        load_config(None, environ={"VLLM_K3_DRAFT_REMOTE_ADDRESS": fits + "k"})
+    assert "VLLM_K3_DRAFT_REMOTE_ADDRESS" in str(info.value) and "at most 107 bytes" in str(info.value)

@@ -73,6 +73,9 @@ def _optional_str(key: str) -> Callable[[Any], str | None]:
     return parse
 
 
+MAX_IPC_PATH = 107        # a unix socket's name: sun_path holds 108 bytes with the terminating NUL
+
+
 def check_address(text: str, key: str = "address") -> str:
     """The one rule for a draft server address: ``tcp://HOST:PORT`` (port 1..65535) or
     ``ipc://PATH``; :class:`ConfigError` naming ``key`` otherwise."""
@@ -83,9 +86,10 @@ def check_address(text: str, key: str = "address") -> str:
         ok = bool(host) and "*" not in host and not any(ch.isspace() for ch in host) \
             and port.isdigit() and 0 < int(port) < 65536
     elif isinstance(text, str) and text.startswith("ipc://"):
-        ok = len(text) > len("ipc://")
+        ok = 0 < len(text[len("ipc://"):].encode()) <= MAX_IPC_PATH     # as the server's --ipc-path
     if not ok:
-        raise ConfigError(f"{key}={text!r}: expected tcp://HOST:PORT or ipc://PATH")
+        raise ConfigError(f"{key}={text!r}: expected tcp://HOST:PORT or ipc://PATH "
+                          f"(PATH at most {MAX_IPC_PATH} bytes)")
     return text
 
 
