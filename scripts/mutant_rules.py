@@ -77,7 +77,7 @@ FIRST_RULE_MUTANTS = (
            ("tests/test_ngram.py",)),
     # ------------------------------------------------------------- server edges
     Mutant("mixed-host-loopback", "a name resolving to any routable address is not loopback", "server/security.py",
-           "    return all(ipaddress.ip_address(", "    return any(ipaddress.ip_address(",
+           "    return bool(addrs) and all(ipaddress.ip_address(", "    return bool(addrs) and any(ipaddress.ip_address(",
            ("tests/test_curve.py",)),
     Mutant("closed-label-kept", "a closed or reclaimed session gives back its metric label", "server/metrics.py",
            '            self._add("closed", name, 0)', "            pass",

@@ -11,8 +11,8 @@ V33 = ".venv-vllm033"
 WAVE_MUTANTS = (
     # ------------------------------------------------------------- the wire
     Mutant("frame-size-unchecked", "a frame whose bytes disagree with its header is refused (FRAME_MISMATCH)",
-           "protocol/base.py", "    nbytes = math.prod(shape) * dtype.itemsize\n    if buf.nbytes != nbytes:",
-           "    nbytes = math.prod(shape) * dtype.itemsize\n    if False:", ("tests/test_protocol.py",)),
+           "protocol/base.py", "    nbytes = math.prod(shape) * itemsize\n    if buf.nbytes != nbytes:",
+           "    nbytes = math.prod(shape) * itemsize\n    if False:", ("tests/test_protocol.py",)),
     Mutant("reply-frames-uncounted", "a reply whose frames do not match its header is refused",
            "protocol/replies.py", "    if len(frames) - 1 != len(head.tensors):", "    if False:",
            ("tests/test_protocol.py", "tests/test_transport_client.py")),

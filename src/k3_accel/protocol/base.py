@@ -83,28 +83,28 @@ def frame_bytes(frame: Any) -> memoryview:
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
-def frame_tensor(frame: Any, dtype: torch.dtype, shape: Sequence[int], what: str) -> torch.Tensor:
-    """A (read-only, zero-copy) tensor over a frame; FRAME_MISMATCH if the size is wrong."""
+def _checked(frame: Any, itemsize: int, shape: Sequence[int], what: str) -> tuple[memoryview, int]:
+    """The frame's bytes and their count, FRAME_MISMATCH unless the header's shape accounts for them."""
     buf = frame_bytes(frame)
-    nbytes = math.prod(shape) * dtype.itemsize
     if any(d < 0 for d in shape):                 # [-2, -4] has the bytes of [2, 4]
         raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"{what}: the header's shape {list(shape)} has a negative size")
+    nbytes = math.prod(shape) * itemsize
     if buf.nbytes != nbytes:
         raise ProtocolError(ErrorCode.FRAME_MISMATCH,
                             f"{what}: frame has {buf.nbytes} bytes, header implies {nbytes}")
+    return buf, nbytes
+
+
+def frame_tensor(frame: Any, dtype: torch.dtype, shape: Sequence[int], what: str) -> torch.Tensor:
+    """A (read-only, zero-copy) tensor over a frame; FRAME_MISMATCH if the size is wrong."""
+    buf, nbytes = _checked(frame, dtype.itemsize, shape, what)
     if nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
 
 
 def frame_array(frame: Any, dtype: np.dtype, shape: Sequence[int], what: str) -> np.ndarray:
-    buf = frame_bytes(frame)
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    if any(d < 0 for d in shape):
-        raise ProtocolError(ErrorCode.FRAME_MISMATCH, f"{what}: the header's shape {list(shape)} has a negative size")
-    if buf.nbytes != nbytes:
-        raise ProtocolError(ErrorCode.FRAME_MISMATCH,
-                            f"{what}: frame has {buf.nbytes} bytes, header implies {nbytes}")
+    buf, _ = _checked(frame, np.dtype(dtype).itemsize, shape, what)
     return np.frombuffer(buf, dtype=dtype).reshape(tuple(shape))
 
 
