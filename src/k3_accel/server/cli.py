@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from k3_accel.config import MAX_IPC_PATH     # one limit for --ipc-path and a client's address
 from k3_accel.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from k3_accel.server.device_plane import ServerDevicePlane
 from k3_accel.server.gather import Gather
@@ -27,7 +28,6 @@ from k3_accel.server.state import RequestStore
 
 log = logging.getLogger("k3_accel.server")
 MIB = 1 << 20
-MAX_IPC_PATH = 107        # sun_path holds 108 bytes with the terminating NUL
 
 
 def _device(text: str) -> str:
