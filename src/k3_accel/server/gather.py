@@ -18,7 +18,6 @@ the clock is injectable for tests.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -35,6 +34,11 @@ class _Peer:
     turn: float | None = None        # running mean of reply sent -> next propose here
     back: bool = False               # a propose arrived since the last reply
     missed: bool = False             # not back when expected: not waited for until it is
+
+    @property
+    def heard_at(self) -> float:
+        """Its latest propose or reply, whichever came last (a peer exists once either happened)."""
+        return max(t for t in (self.answered_at, self.arrived_at) if t is not None)
 
 
 class Gather:
@@ -73,8 +77,7 @@ class Gather:
         """Drop sessions silent for FORGET_S (closed ones among them): neither answered nor arrived
         since (one whose first propose is here, not answered yet, is not silent)."""
         now = self.clock()
-        for key in [k for k, p in self._peers.items()
-                    if now - max(t for t in (p.answered_at, p.arrived_at, -math.inf) if t is not None) > FORGET_S]:
+        for key in [k for k, p in self._peers.items() if now - p.heard_at > FORGET_S]:
             del self._peers[key]
 
     # ---------------------------------------------------------------- decision

@@ -10,8 +10,8 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgspec

@@ -107,11 +107,11 @@ def warnings(caps: Caps, needs: TargetNeeds) -> list[str]:
         out.append(f"capacity: target runs up to {needs.max_requests} requests (max_num_seqs), the server "
                    f"admits {caps.max_requests} per client: the excess is not drafted")
     if any(key in needs.draft and caps.draft.get(key) != needs.draft[key] for key in ADVISORY_DRAFT_KEYS):
-        lo, hi = (needs.draft.get(key, "?") for key in ADVISORY_DRAFT_KEYS)
-        out.append(f"n-gram sizes: the server matches grams of {caps.draft.get(ADVISORY_DRAFT_KEYS[0], '?')}.."
-                   f"{caps.draft.get(ADVISORY_DRAFT_KEYS[1], '?')} tokens, the target's prompt_lookup_min/max are "
-                   f"{lo}..{hi}: its drafts differ from vLLM's own ngram (start the server with "
-                   f"--ngram-min {lo} --ngram-max {hi})")
+        (s_lo, s_hi), (t_lo, t_hi) = ([d.get(key, "?") for key in ADVISORY_DRAFT_KEYS]
+                                      for d in (caps.draft, needs.draft))
+        out.append(f"n-gram sizes: the server matches grams of {s_lo}..{s_hi} tokens, the target's "
+                   f"prompt_lookup_min/max are {t_lo}..{t_hi}: its drafts differ from vLLM's own ngram "
+                   f"(start the server with --ngram-min {t_lo} --ngram-max {t_hi})")
     return out
 
 
