@@ -85,3 +85,20 @@ def test_an_ipc_path_longer_than_a_unix_socket_name_is_refused_when_read():
     with pytest.raises(ConfigError) as info:
         load_config(None, environ={"VLLM_K3_DRAFT_REMOTE_ADDRESS": fits + "k"})
     assert "VLLM_K3_DRAFT_REMOTE_ADDRESS" in str(info.value) and "at most 107 bytes" in str(info.value)
+
+
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_an_exported_but_blank_variable_is_unset_for_every_setting(blank):
+    # `export VAR=` (or an env file's `VAR=`) is how deployments clear a setting: every
+    # setting falls back to its default and says so, whatever its type
+    cfg = load_config(None, environ={name: blank for name in _env_names()})
+    assert cfg == K3Config()
+    assert all(cfg.source(key) == "default" for key in ALLOWED_KEYS)
+    # a blank variable never hides a value given in additional_config
+    cfg = load_config({"k3_accel": {"adaptive": False}}, environ={"VLLM_K3_DRAFT_ADAPTIVE": blank})
+    assert cfg.adaptive is False
+
+
+def _env_names() -> list[str]:
+    from k3_accel import config
+    return [s.env for s in config._SETTINGS if s.env]

@@ -3,6 +3,7 @@
 Precedence: ``--additional-config '{"k3_accel": {...}}'`` wins over the
 environment, which wins over the defaults below. Every value remembers where it
 came from (:meth:`K3Config.source`), so a message can name the key the user set.
+An environment variable that is set but blank counts as unset, for every setting.
 """
 from __future__ import annotations
 
@@ -193,7 +194,7 @@ def load_config(additional_config: Mapping[str, Any] | None = None,
     for setting in _SETTINGS:
         if setting.field in section:
             key, raw = f"additional_config.k3_accel.{setting.field}", section[setting.field]
-        elif setting.env and setting.env in env:
+        elif setting.env and env.get(setting.env, "").strip():      # exported but blank: unset
             key, raw = setting.env, env[setting.env]
         else:
             continue
