@@ -74,10 +74,12 @@ def _caps() -> dict:
                                       max_spec_tokens=8, block_size=16, vocab_size=0))
 
 
-def test_a_hello_refused_because_the_server_is_stopping_is_retried_not_incompatible_for_good():
-    """A hello that reaches a server while it stops (a restart) is answered SHUTTING_DOWN: that
-    says nothing about whether the server fits this target, so the link reconnects (with backoff)
-    and drafts once the restarted server answers, instead of turning drafting off for good."""
+@pytest.mark.parametrize("code", ["SHUTTING_DOWN", "INTERNAL"])
+def test_a_hello_refused_because_the_server_is_stopping_is_retried_not_incompatible_for_good(code):
+    """A hello that reaches a server while it stops (a restart) is answered SHUTTING_DOWN, one that
+    meets a fault inside the server INTERNAL: neither says anything about whether the server fits
+    this target, so the link reconnects (with backoff) and drafts once the server answers, instead
+    of turning drafting off for good."""
     from helpers.steps import wait_until
     from k3_accel import protocol as p
     from k3_accel.protocol import ErrorCode, Reply
@@ -87,8 +89,7 @@ def test_a_hello_refused_because_the_server_is_stopping_is_retried_not_incompati
                 Telemetry(), on_ready=ready.append, on_state_lost=lambda why: None)
     try:
         link.start(0)
-        router.answer_hello(link, lambda seq: p.error_reply(seq, "srv-old", ErrorCode.SHUTTING_DOWN,
-                                                            "server is stopping"))
+        router.answer_hello(link, lambda seq: p.error_reply(seq, "srv-old", ErrorCode(code), "not now"))
         assert wait_until(lambda: (link.service(), link.state is not State.CONNECTING)[1], timeout=60)
         assert link.state is not State.INCOMPATIBLE, link.problem
         router.answer_hello(link, lambda seq: Reply(seq, True, "srv-new", result=_caps()))

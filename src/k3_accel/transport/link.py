@@ -25,6 +25,10 @@ from k3_accel.transport.timing import Telemetry
 log = logging.getLogger("k3_accel.transport")
 
 
+# hello refusals that say nothing about whether the server fits this target
+_HELLO_RETRIED = (p.ErrorCode.SHUTTING_DOWN.value, p.ErrorCode.INTERNAL.value)
+
+
 class State(str, Enum):
     NEW = "new"
     CONNECTING = "connecting"
@@ -137,8 +141,9 @@ class Link:
         self._hello = self.conn.send(p.Hello(s.session, s.client_name))
 
     def _accept(self, reply: Reply) -> None:
-        if not reply.ok and reply.error and reply.error[0] == p.ErrorCode.SHUTTING_DOWN.value:
-            # a server that stops (a restart) says nothing about whether it fits: try again later
+        if not reply.ok and reply.error and reply.error[0] in _HELLO_RETRIED:
+            # a server that stops (a restart) or fails inside (a fault of its own) says nothing
+            # about whether it fits: try again later, with backoff
             self.lose(TransportError(f"hello refused: {reply.error[0]}: {reply.error[1]}"))
             return
         needs = handshake.TargetNeeds.from_settings(self.settings)
