@@ -222,6 +222,43 @@ def test_server_confidence_trims_the_drafts_it_doubts():
     assert t.c.counters["hint_trimmed_drafts"] > 0
 
 
+def test_a_draft_the_server_doubts_throughout_turns_speculation_off():
+    """A draft that paid and then stops (a new domain), with a server whose confidence head says so
+    for every draft: the hint trims them all, so none reaches vLLM and none is verified. What it
+    said must still count, or the history that paid keeps every step a propose whose round trip is
+    paid for nothing (on the H200's shape 60 % slower than no speculation): speculation goes off,
+    apart from probes at the probe rate."""
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=16)), batch=8,
+                   fixed=0.0053, per_token=0.00004, rt=0.0032)
+    t.accept = lambda step, i, j: step < 50 and j < 4
+    t.confidence = lambda step, i, j: (0.95 if j < 4 else 0.05) if step < 50 else 0.01
+    t.step(50)
+    assert sum(1 for k in t.sent[10:] if k > 0) >= 30                  # it paid: drafting
+    t.step(250)
+    late = t.sent[100:]
+    assert sum(1 for k in late if k > 0) <= (len(late) / 16 + 2) * t.c.s.probe_steps
+    assert t.c.counters["off_steps"] >= 150
+
+
+def test_a_request_the_server_drafts_nothing_for_is_no_evidence_from_its_confidence():
+    """The client's confidence for a request it did not propose for (disabled after a failure) is 0,
+    with no draft: nothing the server doubted. It must not count as a rejection of the draft the
+    other requests are getting accepted."""
+    t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=32)), batch=4)
+    t.accept = lambda step, i, j: i > 0
+    t.confidence = lambda step, i, j: 0.0 if i == 0 else 0.97
+    server = t._server
+
+    def disabled_first(inp, while_waiting=None):
+        out = server(inp, while_waiting)
+        if inp.k > 0:
+            out.drafts[0] = -1
+        return out
+    t._server = disabled_first
+    t.step(40)
+    assert t.c.acceptance.global_rate()[0] > 0.9
+
+
 def test_no_confidence_means_no_trimming_by_it():
     def run(conf):
         t = FakeTarget(Controller(ControllerSettings(k_max=K, probe_interval=32)), batch=4)

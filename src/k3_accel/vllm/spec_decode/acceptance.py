@@ -49,6 +49,20 @@ class Acceptance:
         self.tried += t_mask.sum(axis=0)
         self.accepted += a_mask.sum(axis=0)
 
+    def observe_expected(self, req_ids: Sequence[str], tried: np.ndarray, accepted: np.ndarray,
+                         decayed: frozenset | set = frozenset()) -> None:
+        """Expected counts ``[R, K]`` (drafts never verified: a server's confidence in them, see
+        :meth:`~.controller.Controller._hinted`); ``decayed``: requests already observed this step."""
+        rows = np.fromiter((self._row_of(rid) for rid in req_ids), dtype=np.int64, count=len(req_ids))
+        scale = np.fromiter((1.0 if rid in decayed else self.s.decay for rid in req_ids), dtype=float,
+                            count=len(req_ids))
+        counts = self._counts[rows] * scale[:, None, None]
+        counts[:, 0] += tried
+        counts[:, 1] += accepted
+        self._counts[rows] = counts
+        self.tried += tried.sum(axis=0)
+        self.accepted += accepted.sum(axis=0)
+
     def _row_of(self, req_id: str) -> int:
         row = self._row.get(req_id)
         if row is None:

@@ -94,6 +94,7 @@ class Controller:
         # the last steps as the controller saw them (stats: why it chose what it chose)
         self.trace: deque[tuple] = deque(maxlen=TRACE_STEPS)
         self._period: tuple[float, bool] | None = None
+        self._observed: set[str] = set()        # requests whose acceptance this step's _learn observed
 
     # ------------------------------------------------------------------ one step
     def stays_off(self) -> bool:
@@ -160,7 +161,7 @@ class Controller:
         if proposing:
             self._last_wait = self.clock() - start
             self.cost.observe_round_trip(self._last_wait)
-            ks = self._hinted(ks, sampled, counts, out)
+            ks = self._hinted(inp.req_ids, ks, sampled, counts, out)
         else:
             self._last_wait = 0.0
         self.trace.append((int(counts.sum()), *(self._period or (None, None)), int(np.count_nonzero(sampled)),
@@ -196,12 +197,15 @@ class Controller:
             rates = self.acceptance.rates(req_ids)[:, :drafts.shape[1]]
         return torch.from_numpy(np.where(drafts >= 0, rates, -1.0).astype(np.float32))
 
-    def _hinted(self, ks: np.ndarray, sampled: np.ndarray, counts: np.ndarray, out: Any) -> np.ndarray:
+    def _hinted(self, req_ids: Sequence[str], ks: np.ndarray, sampled: np.ndarray, counts: np.ndarray,
+                out: Any) -> np.ndarray:
         """With the server's per-draft confidence (DSpark's confidence head: ``out.extra
         ["confidence"]``, -1 = none) the drafts of this very step are ranked by it instead of by
         the acceptance history: request ``i``'s ``j``-th draft survives with the product of its
         first ``j`` confidences, and the same cost model picks the prefix. Only ever fewer drafts
-        than chosen before the step (the round trip is already paid)."""
+        than chosen before the step (the round trip is already paid). The drafts it trims are never
+        verified: their confidence counts as what they would have been (expected counts), or a draft
+        the server doubts throughout left the history that paid proposing every step for nothing."""
         conf = getattr(out, "extra", {}).get("confidence")
         if conf is None or not len(ks):
             return ks
@@ -211,6 +215,7 @@ class Controller:
             return ks
         k = min(c.shape[1], int(ks.max()))
         surv = np.cumprod(np.clip(c[rows, :k], 0.0, 1.0), axis=1)
+        expected = surv.copy()
         surv[np.arange(k)[None, :] >= ks[rows, None]] = 0.0          # never past the earlier choice
         others = np.ones(len(ks), dtype=bool)
         others[rows] = False
@@ -220,6 +225,18 @@ class Controller:
         trimmed = ks.copy()
         trimmed[rows] = np.minimum(ks[rows], chosen)
         self.counters["hint_trimmed_drafts"] += int((ks - trimmed).sum())
+        pos = np.arange(k)[None, :]
+        drafted = out.drafts.numpy()[rows, :k] >= 0          # (a request not proposed for has confidence 0)
+        cut = (pos >= trimmed[rows, None]) & (pos < ks[rows, None]) & (c[rows, :k] >= 0) & drafted
+        learn = cut.any(axis=1) & np.isfinite(expected).all(axis=1)
+        if learn.any():                          # what the trimmed drafts would have been, as expected counts
+            reach = np.hstack([np.ones((len(rows), 1)), expected[:, :-1]])
+            tried, accepted = np.zeros((int(learn.sum()), self.s.k_max)), np.zeros((int(learn.sum()), self.s.k_max))
+            tried[:, :k], accepted[:, :k] = np.where(cut, reach, 0.0)[learn], np.where(cut, expected, 0.0)[learn]
+            if not self._observed:               # the step's news: forget as _learn does
+                self.acceptance.decay()
+            self.acceptance.observe_expected([req_ids[i] for i in rows[learn].tolist()], tried, accepted,
+                                             self._observed)
         return trimmed
 
     def _learn(self, inp: Any, sampled: np.ndarray, counts: np.ndarray, start: float) -> None:
@@ -234,6 +251,7 @@ class Controller:
                 g = min(g, int(verified[n]))
             if g:
                 seen.append((rid, g, c - 1))
+        self._observed = {x[0] for x in seen}
         if seen:                           # forget only when there is news (an off stretch keeps what it knew)
             self.acceptance.decay()
             self.acceptance.observe_many([x[0] for x in seen], [x[1] for x in seen], [x[2] for x in seen])
