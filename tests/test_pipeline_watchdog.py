@@ -289,6 +289,47 @@ def test_a_step_the_controller_drafts_nothing_for_releases_the_gpu_before_its_re
         pipe.close(5)
 
 
+class VerifiedLaunch(StepLaunch):
+    """The step after: the forward verified ``verified`` draft slots per request and kept none (V2
+    without adaptive verification verifies K slots whatever they hold: "no draft" is a filler token)."""
+    def __init__(self, k, verified):
+        super().__init__(k)
+        self.verified = verified
+
+    def step_input(self):
+        import dataclasses
+        return dataclasses.replace(super().step_input(), num_verified=[self.verified] * 2)
+
+
+def test_drafts_the_deadline_dropped_are_never_learnt_as_rejected():
+    """A step the deadline released gave the GPU "no drafts"; the drafts that came late were never
+    written. The controller must not take the filler the target then verified for its drafts'
+    rejection: one late reply (a probe's, after an off stretch, is the likeliest) would read as a
+    draft that stopped paying."""
+    from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
+    controller = Controller(ControllerSettings(k_max=3, probe_interval=1000))
+    controller.acceptance.tried[:] = controller.acceptance.accepted[:] = 1000.0   # measured: all accepted
+    for tokens in (1, 2, 3, 4):
+        controller.cost.observe(tokens, 0.010 + 0.001 * tokens)
+    controller.cost.observe_round_trip(0.002)
+    client = GatedStepClient()
+    pipe = DraftPipeline(client, HostFence(), 4, 3, lambda kind, what: None, controller=controller,
+                         stall_s=3600, deadline_s=0.05)
+    try:
+        seq = pipe.submit(StepLaunch(3), propose=True)
+        assert pipe.fence.wait(seq, timeout=60) and pipe.behind          # released by the deadline
+        client.gate.set()
+        assert pipe.call(lambda c: "done", timeout=60) == "done"
+        assert (pipe.reply_rows(seq, 4, 3) == -1).all()                  # the late drafts: never written
+        before = controller.acceptance.global_rate().copy()
+        assert pipe.fence.wait(pipe.submit(VerifiedLaunch(3, 3), propose=True), timeout=60)
+        assert pipe.call(lambda c: "done", timeout=60) == "done"
+        np.testing.assert_array_equal(controller.acceptance.global_rate(), before)
+    finally:
+        client.gate.set()
+        pipe.close(5)
+
+
 def test_closing_a_pipeline_the_watchdog_stopped_still_closes_its_client():
     """The watchdog turns remote drafting off, but the engine's shutdown must still close the
     client (its goodbye frees the session's contexts on the server, its socket and threads end):

@@ -354,6 +354,8 @@ class DraftPipeline(StepWatch):
                         rows[keep, :inp.k] = out.drafts
                         if "confidence" in out.extra:
                             self.confidence[seq % 2][keep, :inp.k] = out.extra["confidence"].float()
+                    elif self.controller is not None:   # the GPU went on without them: none is verified
+                        self.controller.given = {}
         finally:
             launch.release()
             if seq is not None:
