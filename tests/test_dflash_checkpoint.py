@@ -220,3 +220,18 @@ def test_a_block_of_fewer_than_two_rows_is_refused(ckpt, tmp_path):
     d = _copy(draft, tmp_path / "block2")
     _edit_config(d, lambda c: c["dflash_config"].__setitem__("block_size", 2))
     assert load_dflash(d, target).config.block_size == 2
+
+
+@pytest.mark.parametrize("edit", [
+    lambda c: c.pop("rope_theta"),
+    lambda c: (c.pop("rope_theta"), c.__setitem__("rope_parameters", {"rope_type": "default"})),
+])
+def test_a_draft_config_without_rope_theta_gets_the_theta_vllm_reads(ckpt, tmp_path, edit):
+    """vLLM 0.33 reads a draft config through transformers' config class, which fills a missing
+    ``rope_theta`` with its own default (10000); vLLM's 1e6 fallback (``set_default_rope_theta``) never
+    applies since the config always carries one. Another theta rotates every key and query: silently
+    other drafts."""
+    draft, target = ckpt
+    d = _copy(draft, tmp_path / "no_theta")
+    _edit_config(d, edit)
+    assert load_dflash(d, target).config.rope_theta == 10000.0

@@ -101,3 +101,22 @@ def test_the_draft_topk_is_bounded_by_the_draft_vocabulary_not_the_target_one(tm
     assert parse_dspark_config(cfg).draft_topk == 64
     with pytest.raises(CheckpointError, match=r"dspark_draft_topk' \(65\) must be <= the draft vocabulary \(64\)"):
         parse_dspark_config({**cfg, "dspark_draft_topk": 65})
+
+
+@pytest.mark.vllm
+@pytest.mark.vllm033
+def test_a_missing_rope_theta_is_read_as_vllm_reads_it(tmp_path, target):
+    """A DSpark config without ``rope_theta``: the server's theta is the one vLLM 0.33's own config
+    loader gives the draft (``get_config``, then the draft layer's ``set_default_rope_theta``)."""
+    import json
+
+    from vllm.transformers_utils.config import get_config, set_default_rope_theta
+
+    from k3_accel.server.engines.dflash.dspark_config import read_dspark_config
+    d = write_tiny_dspark(tmp_path / "no_theta", target)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["rope_theta"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    hf = get_config(str(d), trust_remote_code=False)
+    set_default_rope_theta(hf, default_theta=1000000)
+    assert read_dspark_config(str(d)).rope_theta == hf.rope_parameters["rope_theta"]

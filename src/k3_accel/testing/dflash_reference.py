@@ -47,7 +47,7 @@ class DFlashReference:
         self.head_dim = cfg["head_dim"]
         self.n_layers = cfg["num_hidden_layers"]
         self.eps = cfg.get("rms_norm_eps", 1e-6)
-        self.theta = cfg.get("rope_theta", 1e6)
+        self.theta = cfg.get("rope_theta", 1e4)
         self.neox = cfg.get("is_neox_style", True)
         self.mask_id = dcfg["mask_token_id"]
         self.causal = bool(cfg.get("is_causal", dcfg.get("causal", False)))

@@ -64,7 +64,7 @@ class TrainableDFlash(nn.Module):
             self.params["k_norm"] = nn.Parameter(k_norms[0].float().clone())
         self.register_buffer("embed", embed.float())
         self.register_buffer("lm_head", lm_head.float())
-        theta = float(config.get("rope_theta", 1e6))
+        theta = float(config.get("rope_theta", 1e4))
         self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
 
     # ------------------------------------------------------------ weights ---

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-DEFAULT_ROPE_THETA = 1_000_000.0     # vLLM's default for DFlash drafts
+DEFAULT_ROPE_THETA = 10_000.0        # transformers' default, what vLLM 0.33 reads for a draft config without
+                                    # one (its own 1e6 fallback never applies: the config object has a theta)
 DEFAULT_BLOCK_SIZE = 16
 
 
