@@ -235,3 +235,18 @@ def test_a_draft_config_without_rope_theta_gets_the_theta_vllm_reads(ckpt, tmp_p
     d = _copy(draft, tmp_path / "no_theta")
     _edit_config(d, edit)
     assert load_dflash(d, target).config.rope_theta == 10000.0
+
+
+def test_a_separate_mask_embedding_is_refused_not_ignored(ckpt, tmp_path):
+    """vLLM 0.33's DFlash reads ``mask_embedding.pt`` from the draft directory and embeds every masked
+    row with it instead of ``embed_tokens[mask_token_id]``; a server that skipped the file would draft
+    other tokens. It is refused, naming the file. (vLLM's DSpark does not read the file: it loads.)"""
+    from k3_accel.server.engines.dflash.dspark_weights import load_dspark
+    from k3_accel.testing.tiny_dspark import write_tiny_dspark
+    draft, target = ckpt
+    d = _copy(draft, tmp_path / "mask_embedding")
+    torch.save({"mask_token_id": 511, "embedding": torch.randn(128)}, d / "mask_embedding.pt")
+    assert "mask_embedding.pt" in _load_error(d, target)
+    spark = write_tiny_dspark(tmp_path / "dspark", target)
+    torch.save(torch.randn(128), spark / "mask_embedding.pt")
+    assert load_dspark(spark, target)[0].config.num_layers == 2

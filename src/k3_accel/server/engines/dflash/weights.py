@@ -21,6 +21,8 @@ from .tensors import read_tensors, tensor_files
 TARGET_EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 TARGET_LM_HEAD_NAMES = ("lm_head.weight",)
 OPTIONAL_DRAFT_TENSORS = ("embed_tokens.weight", "lm_head.weight", "d2t")
+# vLLM's DFlash embeds masked rows with this file's vector when the draft ships it (its DSpark does not)
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
 
 
 @dataclass
@@ -210,6 +212,8 @@ def load_dflash(draft_dir: str | os.PathLike, target_dir: str | os.PathLike,
     already parsed (a DSpark backbone), else its ``config.json`` read as DFlash.
     """
     root = Path(draft_dir)
+    if config is None and (root / MASK_EMBEDDING_FILE).exists():
+        raise CheckpointError(f"{root / MASK_EMBEDDING_FILE}: a separate mask embedding is not supported")
     cfg = config or read_dflash_config(root)
     draft = _read_draft(root, cfg)
     d2t = _check_d2t(draft, cfg, root)
