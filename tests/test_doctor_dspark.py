@@ -72,3 +72,13 @@ def test_a_dflash_server_for_a_dspark_target_is_a_failure(models):
         assert run.returncode == 1 and "needs a dspark server, the server runs dflash" in run.stdout, run.stdout
     finally:
         assert srv.stop() == 0
+
+
+def test_a_top_k_set_in_the_speculative_config_is_the_one_checked(server, models):
+    """vLLM 0.33 takes ``dspark_draft_topk`` from the speculative config over the draft config's: the
+    target then asks for top-k drafts, which this server (no top-k in its checkpoint) does not make.
+    The doctor says so, as the plugin's handshake would, instead of a yes."""
+    target, anchor, _ = models
+    run = doctor(server.address, target, anchor, dspark_draft_topk=3)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "draft draft_topk: server None, target's draft config 3" in run.stdout

@@ -80,6 +80,8 @@ def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[h
         archs = draft.get("architectures") or []
         if method == "dspark" and "DSparkDraftModel" in archs and draft.get("model_type") == "qwen3":
             archs = ["Qwen3DSparkModel"]            # vLLM renames it so
+        if method == "dspark" and spec.get("dspark_draft_topk") is not None:
+            draft = {**draft, "dspark_draft_topk": spec["dspark_draft_topk"]}   # vLLM's override
         if method in HIDDEN_METHODS:
             layers = aux_layer_ids(SimpleNamespace(method=method, model=spec["model"], draft_model_config=(
                 SimpleNamespace(hf_config=SimpleNamespace(**draft)))))
