@@ -250,3 +250,14 @@ def test_a_separate_mask_embedding_is_refused_not_ignored(ckpt, tmp_path):
     spark = write_tiny_dspark(tmp_path / "dspark", target)
     torch.save(torch.randn(128), spark / "mask_embedding.pt")
     assert load_dspark(spark, target)[0].config.num_layers == 2
+
+
+def test_a_qwen3_draft_config_without_head_dim_gets_the_head_dim_vllm_reads(tmp_path):
+    """A ``model_type: qwen3`` draft config without ``head_dim``: vLLM 0.33 reads it through
+    transformers' Qwen3Config, whose default is 128 (not hidden_size / heads). A draft of 4 heads of 128
+    on a hidden size of 128 (hidden / heads = 32) loads in vLLM; the server loads it too."""
+    target = write_tiny_target(tmp_path / "target", head_dim=128)
+    d = write_tiny_dflash(tmp_path / "draft", target)
+    _edit_config(d, lambda c: c.pop("head_dim"))
+    cfg = load_dflash(d, target).config
+    assert (cfg.hidden_size, cfg.num_heads, cfg.head_dim) == (128, 4, 128)

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 DEFAULT_ROPE_THETA = 10_000.0        # transformers' default, what vLLM 0.33 reads for a draft config without
                                     # one (its own 1e6 fallback never applies: the config object has a theta)
 DEFAULT_BLOCK_SIZE = 16
+QWEN3_HEAD_DIM = 128                 # transformers' Qwen3Config default (vLLM reads a qwen3 draft config so)
 
 
 class CheckpointError(ValueError):
@@ -175,7 +176,8 @@ def parse_dflash_config(cfg: Mapping[str, Any], where: str = "config.json") -> D
     if heads % kv_heads:
         raise CheckpointError(
             f"{where}: field 'num_key_value_heads' ({kv_heads}) must divide num_attention_heads ({heads})")
-    head_dim = _pos_int(_field(cfg, "head_dim", where, hidden // heads), "head_dim", where)
+    default_head_dim = QWEN3_HEAD_DIM if cfg.get("model_type") == "qwen3" else hidden // heads
+    head_dim = _pos_int(_field(cfg, "head_dim", where, default_head_dim), "head_dim", where)
     theta, rotary_dim = _rope(cfg, head_dim, where)
     vocab = _pos_int(_field(cfg, "vocab_size", where), "vocab_size", where)
     mask_id = _pos_int(_field(dcfg, "mask_token_id", where), "dflash_config.mask_token_id", where,
