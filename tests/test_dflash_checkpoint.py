@@ -261,3 +261,15 @@ def test_a_qwen3_draft_config_without_head_dim_gets_the_head_dim_vllm_reads(tmp_
     _edit_config(d, lambda c: c.pop("head_dim"))
     cfg = load_dflash(d, target).config
     assert (cfg.hidden_size, cfg.num_heads, cfg.head_dim) == (128, 4, 128)
+
+
+def test_sliding_layers_given_by_use_sliding_window_are_refused_like_layer_types(ckpt, tmp_path):
+    """transformers (and so vLLM 0.33) makes layers from ``max_window_layers`` on sliding-window when a
+    qwen3 config says ``use_sliding_window`` without ``layer_types``; the server, which has no sliding
+    attention, must refuse such a draft rather than attend to the whole context (other drafts)."""
+    draft, target = ckpt
+    d = _copy(draft, tmp_path / "sliding")
+    _edit_config(d, lambda c: c.update(use_sliding_window=True, max_window_layers=1, sliding_window=64))
+    assert "sliding-window" in _load_error(d, target)
+    _edit_config(d, lambda c: c.update(max_window_layers=c["num_hidden_layers"]))   # no layer slides: loads
+    assert load_dflash(d, target).config.num_layers >= 1

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 DEFAULT_ROPE_THETA = 10_000.0        # transformers' default, what vLLM 0.33 reads for a draft config without
                                     # one (its own 1e6 fallback never applies: the config object has a theta)
 DEFAULT_BLOCK_SIZE = 16
+QWEN3_MAX_WINDOW_LAYERS = 28         # Qwen3Config's max_window_layers default (layers from there on slide)
 QWEN3_HEAD_DIM = 128                 # transformers' Qwen3Config default (vLLM reads a qwen3 draft config so)
 
 
@@ -145,7 +146,11 @@ def _layer_ids(dcfg: Mapping[str, Any], where: str) -> tuple[int, ...]:
 def _causal(cfg: Mapping[str, Any], dcfg: Mapping[str, Any], where: str) -> bool:
     """Block causality as vLLM resolves it; sliding-window drafts are refused."""
     layer_types = cfg.get("layer_types") or []
-    if dcfg.get("use_swa") or "sliding_attention" in layer_types:
+    # without layer_types, transformers' Qwen3Config makes layers from max_window_layers on sliding
+    layers, first_sliding = cfg.get("num_hidden_layers"), cfg.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
+    by_flag = not layer_types and cfg.get("use_sliding_window") is True and isinstance(layers, int) \
+        and isinstance(first_sliding, int) and first_sliding < layers
+    if dcfg.get("use_swa") or "sliding_attention" in layer_types or by_flag:
         raise CheckpointError(f"{where}: sliding-window DFlash drafts are not supported")
     if dcfg.get("attention_sink_bias") or cfg.get("add_swa_attention_sink_bias"):
         raise CheckpointError(f"{where}: attention sink bias is not supported")
