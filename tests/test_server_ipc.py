@@ -14,6 +14,7 @@ from helpers.oracles import ngram_lookup
 from helpers.server import ServerProcess, src_env
 from helpers.steps import settings, step
 from helpers.wire import Wire
+from k3_accel import protocol as p
 from k3_accel.transport.client import DraftClient
 from k3_accel.transport.link import State
 
@@ -66,3 +67,24 @@ def test_ipc_path_is_checked(path, needle, capsys):
         validate(ap.parse_args(["--ipc-path", path]), ap)
     assert info.value.code == 2 and needle in capsys.readouterr().err
     assert not os.path.exists(path)
+
+
+def test_an_ipc_path_a_running_server_listens_on_fails_startup_and_that_server_keeps_it(ipc_path):
+    """libzmq binds a unix socket path over a live listener without a word: a second server given
+    the first's --ipc-path took the path from it (local clients reached the wrong server) and removed
+    the socket file on its way out. It fails startup like a taken port does; the first keeps serving."""
+    first = ServerProcess("--engine", "ngram", "--ipc-path", str(ipc_path))
+    local = None
+    try:
+        run = subprocess.run([sys.executable, "-m", "k3_accel.server.cli", "--engine", "ngram", "--port", "0",
+                              "--http-port", "0", "--ipc-path", str(ipc_path)],
+                             capture_output=True, text=True, env=src_env(), timeout=120)
+        assert run.returncode == 1 and f"cannot bind ipc://{ipc_path}" in run.stderr, run.stderr
+        remote = Wire(first.address)
+        local = Wire(f"ipc://{ipc_path}")
+        assert local.call(p.Ping()).server_id == remote.call(p.Ping()).server_id     # still the first server
+        remote.close()
+    finally:
+        if local is not None:
+            local.close()
+        assert first.stop() == 0

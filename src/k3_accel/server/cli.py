@@ -6,6 +6,7 @@ import gc
 import logging
 import re
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -228,6 +229,9 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> None:
         endpoints = [f"tcp://{_bracket(args.host)}:{args.port}"]
         if args.ipc_path is not None:
             endpoints.append(f"ipc://{args.ipc_path}")
+        if args.ipc_path is not None and _listened_on(args.ipc_path):
+            raise StartupError(f"cannot bind ipc://{args.ipc_path}: another process listens on it "
+                               f"(a file left by a stopped server is no obstacle)")
         try:
             loop = ServerLoop(service, endpoints, args.max_message_mb * MIB, ctx=ctx, curve=curve,
                               lease_s=args.lease_s, gather=Gather(args.batch_wait_ms / 1000))
@@ -246,6 +250,17 @@ def serve(args: argparse.Namespace, stop: threading.Event) -> None:
             curve.close()
         ctx.term()
     log.info("k3-draft-server stopped")
+
+
+def _listened_on(path: str) -> bool:
+    """Whether a live process accepts connections on the unix socket ``path``: libzmq would bind
+    over it without an error, taking the path from that process."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 def _bracket(host: str) -> str:
