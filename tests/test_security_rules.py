@@ -78,3 +78,22 @@ def test_a_host_that_resolves_to_no_address_is_not_taken_for_loopback(monkeypatc
     assert security.is_loopback("somewhere") is False
     with pytest.raises(security.SecurityError, match="not a loopback address"):
         security.check_bind("somewhere", curve=False, allow_insecure=False)
+
+
+@pytest.mark.parametrize("secret, where, needle", [
+    ("server.key", "authorized", "holds no secret key"),                 # the public half only
+    ("nowhere.key_secret", "authorized", "nowhere.key_secret"),          # no such file
+    ("server.key_secret", "nowhere", "not a directory"),
+])
+def test_the_cli_refuses_curve_keys_that_cannot_serve_with_a_usage_error(certs, secret, where, needle, capsys):
+    """A key file or authorized-keys directory CurveGuard refuses is a usage error naming the fault
+    (exit 2), not a traceback from the server's start."""
+    from k3_accel.server.cli import build_parser, validate
+    keys, authorized = certs
+    ap = build_parser()
+    args = ap.parse_args(["--curve-secret-key", str(keys / secret),
+                          "--curve-authorized-keys", str(authorized.parent / where)])
+    with pytest.raises(SystemExit) as info:
+        validate(args, ap)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and needle in err and "Traceback" not in err, err

@@ -22,7 +22,7 @@ from k3_accel.server.engines.base import DraftEngine
 from k3_accel.server.http import HealthServer
 from k3_accel.server.loop import ServerLoop
 from k3_accel.server.metrics import ServerMetrics
-from k3_accel.server.security import CurveGuard, SecurityError, check_bind
+from k3_accel.server.security import CurveGuard, SecurityError, check_bind, load_keys
 from k3_accel.server.service import DraftService
 from k3_accel.server.share import parse_weight
 from k3_accel.server.state import RequestStore
@@ -162,6 +162,11 @@ def validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
                 ap.error(f"--engine {args.engine} needs --{flag.replace('_', '-')} DIR (got {value!r})")
     if bool(args.curve_secret_key) != bool(args.curve_authorized_keys):
         ap.error("--curve-secret-key and --curve-authorized-keys go together")
+    if args.curve_secret_key:
+        try:
+            load_keys(args.curve_secret_key, args.curve_authorized_keys)
+        except SecurityError as exc:
+            ap.error(str(exc))
     if args.ipc_path is not None:
         ipc = Path(args.ipc_path)
         if not ipc.parent.is_dir() or ipc.is_dir():

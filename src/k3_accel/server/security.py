@@ -35,16 +35,25 @@ def check_bind(host: str, curve: bool, allow_insecure: bool) -> None:
     log.warning("binding %s without authentication or encryption (--allow-insecure-remote)", host)
 
 
+def load_keys(secret_key_file: str, authorized_dir: str) -> tuple[bytes, bytes]:
+    """The server's (public, secret) CURVE key; SecurityError naming the fault when the key file or
+    the authorized-keys directory cannot serve (also the CLI's check, before anything starts)."""
+    try:
+        public, secret = zmq.auth.load_certificate(secret_key_file)
+    except (OSError, ValueError) as exc:
+        raise SecurityError(f"--curve-secret-key {secret_key_file}: {exc}") from None
+    if secret is None:
+        raise SecurityError(f"{secret_key_file} holds no secret key")
+    if not Path(authorized_dir).is_dir():
+        raise SecurityError(f"--curve-authorized-keys {authorized_dir} is not a directory")
+    return public, secret
+
+
 class CurveGuard:
     """CURVE server keys on a socket plus a ZAP authenticator for the authorized keys."""
 
     def __init__(self, ctx: zmq.Context, secret_key_file: str, authorized_dir: str):
-        public, secret = zmq.auth.load_certificate(secret_key_file)
-        if secret is None:
-            raise SecurityError(f"{secret_key_file} holds no secret key")
-        if not Path(authorized_dir).is_dir():
-            raise SecurityError(f"--curve-authorized-keys {authorized_dir} is not a directory")
-        self.public, self.secret = public, secret
+        self.public, self.secret = load_keys(secret_key_file, authorized_dir)
         self.auth = ThreadAuthenticator(ctx)
         self.auth.start()
         self.auth.configure_curve(domain="*", location=str(authorized_dir))
