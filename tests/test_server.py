@@ -266,6 +266,9 @@ def test_health_ready_and_metrics(server, wire):
     (["--engine", "dflash"], "--engine dflash needs --draft-model"),
     (["--max-requests", "0"], "outside >= 1"),
     (["--lease-s", "-1"], "below 0"),
+    (["--lease-s", "nan"], "not a finite number"),          # would never reclaim a session, silently
+    (["--batch-wait-ms", "inf"], "not a finite number"),    # no bound on how long a round is held
+    (["--batch-wait-ms", "nan"], "not a finite number"),
     (["--gpu-memory-fraction", "0"], "outside (0.0, 1.0]"),
     (["--curve-secret-key", "x"], "go together"),
     (["--ngram-min", "4", "--ngram-max", "2"], "--ngram-min must be <="),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import re
 import signal
 import socket
@@ -68,6 +69,8 @@ def _float_min(low: float):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):          # nan passes "< low" unseen
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is below {low}")
         return value
