@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,20 @@ def test_lease_reclaims_a_killed_client_and_spares_one_that_keeps_talking():
         if talker is not None:
             talker.close()
         assert server.stop() == 0
+
+
+@pytest.mark.parametrize("label", ["x" * 100_000, "vllm-dp0\nERROR forged log line"])
+def test_a_hello_label_no_log_or_metric_can_hold_is_refused_and_reaches_no_other_client(server, label):
+    """The hello label names the session in logs, /metrics and every client's stats: a huge one (or
+    one that breaks log lines) is refused with BAD_FIELD, and the connection has no session."""
+    w, other = Wire(server.address, hello=False), Wire(server.address)
+    try:
+        reply = w.call(p.Hello("h" * 16 + uuid.uuid4().hex, label))
+        assert not reply.ok and reply.error[0] == "BAD_FIELD" and "hello.client" in reply.error[1]
+        assert w.call(p.Ping()).error[0] == "NO_SESSION"
+        assert not [name for name in stats(other)["sessions"] if label in name]
+        assert not [name for name in session_labels(server) if label in name]
+    finally:
+        other.call(p.Bye())
+        other.close()
+        w.close()

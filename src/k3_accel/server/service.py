@@ -31,6 +31,7 @@ log = logging.getLogger("k3_accel.server")
 # a message handled slower than this is logged (op, seq, time; a propose also with its phases and what
 # the engine last did): half of the 0.1 s a V2 target's GPU gives a step's drafts by default
 SLOW_MESSAGE_S = 0.05
+CLIENT_LABEL_CHARS = 128   # a hello label names its session in logs, /metrics and every client's stats
 
 _FAULT_CODES = {EngineFault.CAPACITY: ErrorCode.CAPACITY, EngineFault.BAD_INPUT: ErrorCode.BAD_REQUEST,
                 EngineFault.UNSUPPORTED: ErrorCode.UNSUPPORTED}
@@ -86,6 +87,10 @@ class DraftService:
         if not low <= len(req.msg.session) <= high:
             return None, self._done(req, p.error_reply(req.seq, self.server_id, ErrorCode.BAD_FIELD,
                                                        f"hello.session: a secret of {low}..{high} characters"))
+        if len(req.msg.client) > CLIENT_LABEL_CHARS or not req.msg.client.isprintable():
+            return None, self._done(req, p.error_reply(req.seq, self.server_id, ErrorCode.BAD_FIELD,
+                                                       f"hello.client: a label of at most {CLIENT_LABEL_CHARS} "
+                                                       f"printable characters"))
         try:
             session = self.store.open_session(req.msg.session, req.msg.client, owner)
         except RequestError as exc:
