@@ -197,3 +197,39 @@ def test_a_hello_label_no_log_or_metric_can_hold_is_refused_and_reaches_no_other
         other.call(p.Bye())
         other.close()
         w.close()
+
+
+def test_the_loop_lets_go_of_every_connection_whose_session_ended():
+    """A connection's entry lives while it is bound to an open session; one whose session ended
+    (bye, perhaps said on another connection) went only if it sent something more, so every
+    short-lived client (a probe, a target that restarts) stayed in the loop's table, scanned at
+    every turn, for the server's whole life."""
+    import threading
+
+    import zmq
+
+    from helpers.service import LocalService
+    from k3_accel.server.loop import ServerLoop
+
+    local = LocalService()
+    ctx = zmq.Context()
+    loop = ServerLoop(local.service, ["tcp://127.0.0.1:0"], 1 << 26, ctx=ctx)
+    stop = threading.Event()
+    thread = threading.Thread(target=loop.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        assert loop.ready.wait(30)
+        stay = Wire(loop.endpoints[0])
+        for _ in range(20):
+            w = Wire(loop.endpoints[0])
+            w.ingest([(0, 0, [1, 2, 3])]).raise_for_error()
+            assert w.call(p.Bye()).ok
+            w.close()
+        assert stay.call(p.Ping()).ok
+        assert wait_until(lambda: len(loop._conns) == 1), f"{len(loop._conns)} connections kept"
+        assert stay.call(p.Ping()).ok and list(local.store.sessions) == [stay.session]
+        stay.close()
+    finally:
+        stop.set()
+        thread.join(30)
+        ctx.term()

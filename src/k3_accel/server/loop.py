@@ -264,7 +264,8 @@ class ServerLoop:
                 self.service.reclaim(session, f"no message for {self.lease_s:g}s")
                 for conn in [c for c in self._conns.values() if c.session is session]:
                     conn.session = None
-        for ident in [i for i, c in self._conns.items() if c.session is None and not c.queue]:
+        for ident in [i for i, c in self._conns.items()      # unbound, or its session ended (bye)
+                      if not c.queue and (c.session is None or not store.is_open(c.session))]:
             del self._conns[ident]
         self.service.plane.collect()
         self.gather.forget()
