@@ -132,6 +132,16 @@ class ServerState(RuleBasedStateMachine):
         failures, _ = self.model.rows(key, spans)
         assert reply.ok and {i: c for i, c, _ in reply.failures} == failures, (reply, failures, spans)
 
+    @rule(key=st.sampled_from(sorted(SESSIONS)), handle=HANDLES)
+    def ingest_past_the_pool(self, key, handle):
+        """Rows that need more blocks than the whole pool holds: CAPACITY, with nothing stored
+        dropped or taken back for a request that could never fit."""
+        ctx = self.model.lookup(self.model.sessions[key], handle)
+        spans = [(handle, len(ctx.tokens) if ctx else 0, [1] * (ROWS * BLOCKS + 1))]
+        reply = self.service.handle(self.sessions[key], self._request(*_rows(p.Ingest, spans, self._hidden(spans))))
+        failures, _ = self.model.rows(key, spans)
+        assert reply.ok and {i: c for i, c, _ in reply.failures} == failures, (reply, failures, spans)
+
     @rule(keys=st.lists(st.sampled_from(sorted(SESSIONS)), min_size=1, max_size=2, unique=True), data=st.data())
     def propose(self, keys, data):
         """One message per session, all in one engine batch (what one message admits, a later one

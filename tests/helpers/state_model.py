@@ -146,6 +146,8 @@ class StateModel:
     def make_room(self, s: MSession, blocks: int, keep, protected) -> None:
         if self.free() >= blocks:
             return
+        if blocks > self.n:                     # never fits: refused before anything is dropped
+            raise Refused("CAPACITY")
         w = self.total_weight(s)
         over = lambda x, extra=0: (self.held(x) + extra) * w - self.n * x.weight  # noqa: E731
         guard = {id(c) for c in keep} | protected

@@ -225,10 +225,14 @@ class RequestStore:
         """Make ``blocks`` pool blocks free for ``session`` (never evicting a state in ``keep``):
         retained contexts of sessions at least as far over their share as it (least recent first),
         then its own; then, while it stays within its share, the newest active requests of the
-        sessions over theirs. CAPACITY if that is not enough."""
+        sessions over theirs. CAPACITY if that is not enough (at once, dropping nothing, if the
+        whole pool is not enough)."""
         pool = self.engine.pool
         if pool.free_blocks >= blocks:
             return
+        if blocks > pool.num_blocks:        # never fits: refused before anything is dropped for it
+            raise RequestError(ErrorCode.CAPACITY, f"draft pool too small: {blocks} block(s) needed, the pool "
+                                                   f"has {pool.num_blocks} (raise --memory-budget-mb)")
         protected = self._protected(keep)
         share = self.division(pool.num_blocks, session)
 
