@@ -175,6 +175,30 @@ def test_finish_frees_and_retains(server, client_factory):
     assert stats["active"] == 0 and stats["retained"] == 2 and stats["errors"] == {}
 
 
+def test_a_free_never_overtakes_the_deferred_ingest_of_its_request(server, client_factory, monkeypatch):
+    """A request leaves right after a step whose rows are still being copied for a deferred ingest
+    (an abort mid-prefill, an off step): its free reaches the server after those rows. (Sent ahead
+    of them, the late rows brought the freed request back to life on the server: active for good,
+    holding one of the session's request slots.)"""
+    from k3_accel.transport import layout
+    client = client_factory(server.address, ring_depth=2)
+    client.step(rows(["a"], [(0, [1, 2, 3])], anchors=[4]))
+    copied = threading.Event()
+
+    class SlowCopy:                          # the device->pinned copy of the deferred rows, still running
+        def synchronize(self):
+            copied.wait(10)
+    stage = layout.stage
+    monkeypatch.setattr(layout, "stage", lambda *a, **kw: (stage(*a, **kw), SlowCopy())[1])
+    assert client.step(rows(["a"], [(3, [4, 5, 6])], sampled=[False])).deferred
+    monkeypatch.undo()
+    client.finish(["a"])
+    copied.set()
+    client.flush()
+    stats = client.server_stats()
+    assert stats["active"] == 0 and stats["retained"] == 1 and stats["errors"] == {}
+
+
 def test_close_frees_everything_it_owns(server, client_factory):
     keeper = client_factory(server.address)
     keeper.step(rows(["k"], [(0, [1, 2, 3])], anchors=[1]))

@@ -41,7 +41,7 @@ from k3_accel.transport.failures import FailureKind, RingTimeout, StepInputError
 from k3_accel.transport.link import Link, State
 from k3_accel.transport.outbox import Outbox
 from k3_accel.transport.replies import ReplyReader
-from k3_accel.transport.sender import Sender
+from k3_accel.transport.sender import Sender, SendJob
 from k3_accel.transport.staging import Slot, StagingRing
 from k3_accel.transport.timing import Telemetry
 
@@ -326,15 +326,20 @@ class DraftClient:
             if handles:
                 self._free(handles, keep)
 
-    def _free(self, handles: list[int], retain: bool) -> None:
+    def _free(self, handles: list[int], retain: bool, queued: bool = False) -> None:
         if not self.link.ready:
             self.book.hold_frees(handles, retain)
             return
+        if not queued and not self.sender.idle:   # after the deferred ingests queued before it, never
+            self.sender.submit(SendJob(lambda: self._free(handles, retain, True)))   # ahead of their rows
+            return
         try:
             self.outbox.send_plain(p.Free(handles, retain))
-            self.telemetry.count("free_messages")
+            self.telemetry.count_async("free_messages")
         except TransportError as exc:
             self.book.hold_frees(handles, retain)
+            if queued:
+                raise                          # the sender thread: the next step drops the link
             self.link.lose(exc)
 
     def wants_history(self) -> frozenset[str]:
