@@ -67,6 +67,25 @@ def test_frees_queued_during_an_outage_reach_the_server_afterwards(server, clien
     assert stats["retained"] <= 70 + 1 and client.book.stats()["unsent_frees"] == 0     # freed: retained, not active
 
 
+def test_a_request_the_link_rearmed_is_freed_when_it_leaves(server, client_factory):
+    """A request disabled by a lost link drafts again once it is back (its history comes with its
+    next rows); if it leaves the batch before that, the server (the same one: it kept this client's
+    session) still holds it and is told to free it, instead of keeping it active for good."""
+    client = client_factory(server.address, timeout_ms=1500)
+    client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
+    server.pause()
+    try:
+        client.step(rows(["a"], [(3, [2])], anchors=[1]))                  # times out: the link's failure
+    finally:
+        server.resume()
+    assert drafts_again(client) and "a" in client.wants_history()
+    client.finish(["a"])                                                    # gone before its history went out
+    client.finish([rid for rid in list(client.book.records)])               # drafts_again's own requests
+    client.flush()
+    assert client.stats()["counters"].get("server_restarts", 0) == 0
+    assert wait_until(lambda: client.server_stats()["active"] == 0, timeout=10)
+
+
 def test_a_disabled_request_is_kept_as_a_reconnect_source(server, client_factory):
     """What the server holds of a request disabled by a gap is a correct prefix: it is kept (a
     request that never reached the server has nothing to keep)."""

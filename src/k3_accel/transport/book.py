@@ -105,7 +105,7 @@ class RequestBook:
                 self._active -= 1
             if rec.epoch != self.epoch or not rec.sent:
                 continue                     # nothing of it on the server
-            (retain if rec.length > 0 else drop).append(rec.handle)
+            (retain if rec.length > 0 or rec.resync else drop).append(rec.handle)
         return retain, drop
 
     def hold_frees(self, handles: list[int], retain: bool) -> None:
@@ -155,8 +155,9 @@ class RequestBook:
         n = 0
         for rec in self.records.values():
             if rec.kind in _LINK_FAILURES:
-                rec.disabled, rec.kind, rec.sent, rec.length, rec.resync = None, None, False, 0, True
-                rec.epoch = self.epoch
+                # the same server may still hold what was sent of it: freed when it leaves (``sent``)
+                rec.sent = rec.sent and rec.epoch == self.epoch
+                rec.disabled, rec.kind, rec.length, rec.resync, rec.epoch = None, None, 0, True, self.epoch
                 n += 1
         if n:
             self.telemetry.count("rearmed_requests", n)

@@ -235,7 +235,7 @@ class DraftClient:
             if rec.resync and (prompt is None or len(prompt) < start):
                 drop.append(i)                 # drafting again, its history comes with a later step
                 continue
-            why = (f"rows start at {start}, the server holds {rec.length}" if rec.sent else
+            why = (f"rows start at {start}, the server holds {rec.length}" if rec.sent and not rec.resync else
                    None if prompt is not None and len(prompt) >= start else
                    f"prefix-cache hit at {start} but no prompt tokens to attach it")
             if why is not None:
