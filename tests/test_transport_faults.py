@@ -86,6 +86,33 @@ def test_a_request_the_link_rearmed_is_freed_when_it_leaves(server, client_facto
     assert wait_until(lambda: client.server_stats()["active"] == 0, timeout=10)
 
 
+def test_a_new_request_whose_rows_came_while_the_hello_was_in_flight_drafts_once_the_link_is_up(
+        server, client_factory):
+    """A request first seen in a step while the client's hello is unanswered (the server reclaimed
+    its session, or it just reconnected): its rows could not be sent, so once the link is up it asks
+    for the request's history and the request drafts, instead of sitting out its whole life as a
+    prefix-cache hit with no prompt (the target sends a prompt only with a request's first step)."""
+    client = client_factory(server.address, timeout_ms=20000)
+    server.pause()
+    try:
+        client.link.rehello("planted: the server reclaimed the session")     # a hello nobody answers yet
+        out = client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2], prompts={"a": [1, 2, 1]}))
+        assert out.drafts.tolist() == [[-1] * 4] and client.state.value == "connecting"
+    finally:
+        server.resume()
+    history, drafted = [1, 2, 1, 2], False
+    for _ in range(200):
+        prompts = {"a": history[:-1]} if "a" in client.wants_history() else None
+        out = client.step(rows(["a"], [(len(history) - 1, history[-1:])], anchors=[history[-2]],
+                               prompts=prompts))
+        if out.drafts[0, 0] >= 0:
+            drafted = True
+            break
+        history.append(history[-2])
+        time.sleep(0.02)
+    assert drafted, client.book.get("a")
+
+
 def test_a_disabled_request_is_kept_as_a_reconnect_source(server, client_factory):
     """What the server holds of a request disabled by a gap is a correct prefix: it is kept (a
     request that never reached the server has nothing to keep)."""

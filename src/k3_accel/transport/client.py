@@ -177,9 +177,11 @@ class DraftClient:
         self.telemetry.count("link_down_steps")
 
     def _lost_rows(self, inp: StepInput) -> None:
-        """Not connected: rows of this step cannot reach the server, so their requests stop drafting."""
+        """Not connected: rows of this step cannot reach the server, so their requests stop drafting
+        (known from now on, even new ones: they draft again, with their history, once it is back)."""
         ids = [rid for rid, c in zip(inp.req_ids, inp.counts) if c > 0]
         if ids:
+            self.book.resolve(ids)
             self.book.failures.push(FailureKind.NOT_CONNECTED, ids, f"connection {self.link.state.value}")
 
     def _run_step(self, inp: StepInput, out: StepOutput, while_waiting: Callable[[], None] | None) -> np.ndarray:
