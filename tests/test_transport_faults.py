@@ -220,3 +220,27 @@ def test_a_sender_failure_on_a_lost_socket_does_not_drop_the_next_link(server, c
     client.link.lose(RuntimeError("planted: no reply within the timeout"))
     assert drafts_again(client)
     assert client.stats()["counters"]["transport_errors"] == 1             # only the planted loss
+
+
+@pytest.mark.timeout(180)                 # the old client waited out the ten minutes here
+def test_a_message_the_restarted_server_never_got_does_not_hold_its_slot_until_its_timeout(client_factory):
+    """A deferred ingest sits unread in a paused server when the server is killed and started
+    again: the new server never gets it. The server answers a connection's messages in order, so
+    once a later message of this socket is answered the earlier one is known lost; the client
+    must fail it closed then (its staging slot free again, its request drafting again with its
+    history) instead of holding the slot for the whole timeout (ten minutes here)."""
+    from helpers.server import ServerProcess
+    srv = ServerProcess("--engine", "ngram")
+    try:
+        client = client_factory(srv.address, timeout_ms=600_000, ring_depth=2)
+        client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
+        srv.pause()
+        client.step(rows(["a"], [(3, list(range(8)))], sampled=[False]))     # deferred, never read
+        assert client.sender.wait_idle(60)                                    # it left the client
+        srv.restart()
+        assert wait_until(lambda: client.link.conn.writable(0))   # reconnected before the next send: the
+        assert drafts_again(client)                   # loss shows only as a propose answered by the new server ...
+        assert client.link.conn.in_flight == 0        # ... and nothing older still waits for a reply
+        assert all(slot.holds == 0 for slot in client.ring.slots)
+    finally:
+        srv.stop()

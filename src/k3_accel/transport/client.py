@@ -90,8 +90,11 @@ class DraftClient:
         wait_s = self.settings.timeout_s if wait_s is None else wait_s
         deadline = time.monotonic() + wait_s
         self.link.start(wait_s)
-        while self.plane.state == "pending" and self.link.ready and time.monotonic() < deadline:
-            self.link.conn.poll(min(0.05, max(0.0, deadline - time.monotonic())))   # the attach's reply
+        try:
+            while self.plane.state == "pending" and self.link.ready and time.monotonic() < deadline:
+                self.link.conn.poll(min(0.05, max(0.0, deadline - time.monotonic())))   # the attach's reply
+        except TransportError as exc:
+            self.link.lose(exc)
         return self
 
     def close(self) -> None:

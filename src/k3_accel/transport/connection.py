@@ -303,9 +303,15 @@ class Connection:
         reply = self._decode(frames)
         if reply.server_id:
             self._note_server(reply.server_id)
-        item = self._pending.pop(reply.seq, None)
-        if item is None:                 # a heartbeat's reply (or one given up on)
+        item = self._pending.get(reply.seq)
+        if item is None:                 # a heartbeat's reply
             return
+        first = next(iter(self._pending))
+        if first != reply.seq:           # the server answers a connection in order: an older one is lost
+            lost = self._pending[first]
+            raise TransportError(f"no reply to {lost.op} seq={lost.seq} from {self.address}: a later message "
+                                 f"(seq={reply.seq}) was answered first, so the server never got it (a restart?)")
+        del self._pending[reply.seq]
         item.reply, item.received_at = reply, time.monotonic()
         if item.on_reply is not None:
             item.on_reply(item)
