@@ -13,9 +13,9 @@ S22B_MUTANTS = (
     # ------------------------------------------------------------- config.py
     Mutant("s22b-config-env-wins", "additional_config wins over the environment", "config.py",
            "        if setting.field in section:\n            key, raw = f\"additional_config.k3_accel.{setting.field}\", "
-           "section[setting.field]\n        elif setting.env and setting.env in env:\n            key, raw = setting.env, "
-           "env[setting.env]",
-           "        if setting.env and setting.env in env:\n            key, raw = setting.env, env[setting.env]\n"
+           "section[setting.field]\n        elif setting.env and env.get(setting.env, \"\").strip():      # exported but blank: "
+           "unset\n            key, raw = setting.env, env[setting.env]",
+           "        if setting.env and env.get(setting.env, \"\").strip():\n            key, raw = setting.env, env[setting.env]\n"
            "        elif setting.field in section:\n            key, raw = f\"additional_config.k3_accel.{setting.field}\", "
            "section[setting.field]",
            ("tests/test_config.py", "tests/test_comm_config.py")),

@@ -21,7 +21,7 @@ SERVER_MUTANTS = (
            ("tests/test_server_capacity.py", "tests/test_server_state_machine.py")),
     # ------------------------------------------------------------- DFlash checkpoint and engine
     Mutant("dflash-config-swa", "a sliding-window DFlash draft is refused, not served with full attention",
-           D + "config.py", '    if dcfg.get("use_swa") or "sliding_attention" in layer_types:', "    if False:",
+           D + "config.py", '    if dcfg.get("use_swa") or "sliding_attention" in layer_types or by_flag:', "    if False:",
            ("tests/test_dflash_checkpoint.py",)),
     Mutant("weights-d2t-past-vocab", "d2t never maps a draft id past the target's vocabulary", D + "weights.py",
            "    if target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size:", "    if target_ids.min() < 0:",

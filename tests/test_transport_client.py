@@ -494,3 +494,19 @@ def test_only_requests_the_link_disabled_draft_again(server, client_factory):
     assert drafts_again(client)
     assert not client.is_disabled("ok") and "ok" in client.wants_history()
     assert client.is_disabled("bad") and "bad" not in client.wants_history()
+
+
+def test_an_anchor_before_its_own_rows_costs_that_request_only(server, client_factory):
+    """``anchor_positions[i] - counts[i]`` is where request i's rows start; an adapter that hands
+    an anchor position before its own rows (a negative start) describes no context at all. That
+    request sits the step out, disabled, and is named; the others of the same message draft as
+    usual (the server would refuse the whole message, failing every request in it)."""
+    client = client_factory(server.address)
+    inp = rows(["good", "bad"], [(0, [1, 2, 1]), (0, [3, 4, 3])], anchors=[2, 4])
+    inp.anchor_positions = [3, 1]                     # "bad": 3 rows ending before position 1
+    out = client.step(inp)
+    assert out.drafts[0].tolist() == expected_drafts([1, 2, 1], 2)
+    assert out.drafts[1].tolist() == [-1] * K
+    assert client.is_disabled("bad") and not client.is_disabled("good")
+    out = client.step(rows(["good"], [(3, [2])], anchors=[1]))
+    assert out.drafts[0].tolist() == expected_drafts([1, 2, 1, 2], 1)

@@ -222,7 +222,7 @@ def test_a_sender_failure_on_a_lost_socket_does_not_drop_the_next_link(server, c
     assert client.stats()["counters"]["transport_errors"] == 1             # only the planted loss
 
 
-@pytest.mark.timeout(180)                 # the old client waited out the ten minutes here
+@pytest.mark.timeout(120)                 # the old client waited out the ten minutes here
 def test_a_message_the_restarted_server_never_got_does_not_hold_its_slot_until_its_timeout(client_factory):
     """A deferred ingest sits unread in a paused server when the server is killed and started
     again: the new server never gets it. The server answers a connection's messages in order, so

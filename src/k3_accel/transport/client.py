@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from k3_accel import protocol as p
-from k3_accel.transport import layout
+from k3_accel.transport import attach, layout
 from k3_accel.transport.api import ClientSettings, StepInput, StepOutput
-from k3_accel.transport.book import Record, RequestBook
+from k3_accel.transport.book import RequestBook
 from k3_accel.transport.capture import CaptureWriter, submit_step
 from k3_accel.transport.connection import Pending, ReplyLate
 from k3_accel.transport.device_plane import DevicePlane, DeviceRing
@@ -198,7 +198,8 @@ class DraftClient:
             self.link.service()
             return live
         anchor_tokens, anchor_positions = inp.anchors()
-        plan = self._prepare(inp, recs, layout.plan_rows(counts, anchor_positions, ingest, propose))
+        plan = attach.starts(inp, recs, layout.plan_rows(counts, anchor_positions, ingest, propose),
+                             self.book, self.outbox, self.telemetry)
         deferred = plan.propose.size == 0 and self.settings.ring_depth > 0
         t0 = time.perf_counter()
         if not deferred and not self.sender.wait_idle(self.settings.timeout_s):
@@ -223,38 +224,6 @@ class DraftClient:
             while_waiting()
         self._finish_step(inp, out, plan, pending)
         return live
-
-    # --------------------------------------------------------------- inputs
-    def _prepare(self, inp: StepInput, recs: list[Record], plan: layout.RowPlan) -> layout.RowPlan:
-        """Reconnects for requests whose rows start past their remote context (prefix-cache
-        hits); a request that cannot be attached sits the step out, disabled."""
-        order = plan.order
-        lengths = np.fromiter((recs[i].length for i in order.tolist()), dtype=np.int64, count=len(order))
-        ahead = order[plan.starts[order] > lengths]
-        if ahead.size == 0:
-            return plan
-        drop = []
-        for i in ahead.tolist():
-            rec, rid, start = recs[i], inp.req_ids[i], int(plan.starts[i])
-            prompt = (inp.prompt_token_ids or {}).get(rid)
-            if rec.resync and (prompt is None or len(prompt) < start):
-                drop.append(i)                 # drafting again, its history comes with a later step
-                continue
-            why = (f"rows start at {start}, the server holds {rec.length}" if rec.sent and not rec.resync else
-                   None if prompt is not None and len(prompt) >= start else
-                   f"prefix-cache hit at {start} but no prompt tokens to attach it")
-            if why is not None:
-                self.book.failures.push(FailureKind.CLIENT_GAP if rec.sent else FailureKind.COLD_START, [rid], why)
-                rec.disabled = why
-                drop.append(i)
-                continue
-            tokens = torch.as_tensor(prompt[:start] if not isinstance(prompt, torch.Tensor) else prompt[:start],
-                                     dtype=torch.int64).cpu().contiguous()
-            self.outbox.send_plain(p.Reconnect(rec.handle, start), [rid], FailureKind.RECONNECT, p.tensor_frame(tokens))
-            self.telemetry.count("reconnects")
-            rec.length, rec.sent = start, True
-            self.book.attached(rec)
-        return plan.without(drop) if drop else plan
 
     # -------------------------------------------------------------- staging
     def _stage(self, inp: StepInput, plan: layout.RowPlan, deferred: bool):
