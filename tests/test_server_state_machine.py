@@ -312,3 +312,19 @@ def test_server_state_machine(kind, tmp_path_factory):
     runner = machine.TestCase
     runner.settings = settings(max_examples=100 if kind == "ngram" else 30, **SETTINGS)
     runner("runTest").runTest()
+
+
+def test_rows_longer_than_the_whole_pool_drop_nothing_stored():
+    """The directed case of ``ingest_past_the_pool``: with a retained context stored, rows that
+    need more blocks than the pool has are refused CAPACITY and the context is still there."""
+    machine, key = ServerState(), "a" * 16
+    spans = [(0, 0, [1, 2, 3, 1, 2])]
+    reply = machine.service.handle(machine.sessions[key],
+                                   machine._request(*_rows(p.Ingest, spans, machine._hidden(spans))))
+    assert reply.ok and not reply.failures and machine.model.rows(key, spans) == ({}, [0])
+    assert machine.service.handle(machine.sessions[key], machine._request(p.Free([0], True))).ok
+    machine.model.free_handles(key, [0], True)
+    assert len(machine.store.retained) == 1
+    machine.ingest_past_the_pool(key, 1)
+    assert len(machine.store.retained) == 1 and machine.engine.pool.used_blocks == 2
+    machine.every_block_is_accounted_for()
