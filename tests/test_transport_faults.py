@@ -244,3 +244,22 @@ def test_a_message_the_restarted_server_never_got_does_not_hold_its_slot_until_i
         assert all(slot.holds == 0 for slot in client.ring.slots)
     finally:
         srv.stop()
+
+
+def test_a_rearmed_request_that_starts_over_from_its_first_row_stops_asking_for_its_history(server, client_factory):
+    """After the link came back a request drafts again "with its history": its next rows bring the
+    tokens before them. A request whose next rows start at 0 (vLLM recomputes it from scratch, e.g.
+    after a preemption) brings its whole context in those rows: from then on it needs no history, and
+    asking for it every step would make the adapter gather the whole token list at every step."""
+    client = client_factory(server.address, timeout_ms=1000)
+    client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
+    server.pause()
+    try:
+        client.step(rows(["a"], [(3, [2])], anchors=[1]))            # times out: the link is lost
+    finally:
+        server.resume()
+    assert drafts_again(client)
+    assert "a" in client.wants_history()
+    out = client.step(rows(["a"], [(0, [1, 2, 1, 2])], anchors=[1]))  # recomputed from its first row
+    assert out.drafts[0, :2].tolist() == [2, 1]
+    assert "a" not in client.wants_history()

@@ -4,6 +4,7 @@ A request whose rows start past its remote context is a prefix-cache hit (or a r
 again after the link came back): it is attached first with a ``reconnect`` carrying its token
 history up to that start, when the step brings that history. One that cannot be attached, or
 whose anchor lies before its own rows (no context at all), sits the step out, disabled and named.
+One drafting again whose rows start at its first row needs no history from then on.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ def starts(inp: StepInput, recs: list[Record], plan: layout.RowPlan, book: Reque
            telemetry: Telemetry) -> layout.RowPlan:
     """``plan`` less the requests that sit this step out; reconnects sent for those attached."""
     order = plan.order
+    if book.history_wanted:                # rows from the first one bring the whole context along
+        for i in order[plan.starts[order] == 0].tolist():
+            book.attached(recs[i])
     lengths = np.fromiter((recs[i].length for i in order.tolist()), dtype=np.int64, count=len(order))
     ahead, before = order[plan.starts[order] > lengths], order[plan.starts[order] < 0]
     if ahead.size == 0 and before.size == 0:
