@@ -65,6 +65,9 @@ S31_MUTANTS = (
            "transport/attach.py", "        for i in order[plan.starts[order] == 0].tolist():",
            "        for i in order[plan.starts[order] < 0].tolist():",
            (TF + "::test_a_rearmed_request_that_starts_over_from_its_first_row_stops_asking_for_its_history",)),
+    Mutant("s31-reconnect-behind-ingests", "a prefix-cache hit's reconnect goes behind the deferred ingests "
+           "queued before it", "transport/client.py", "        if self.sender.idle:\n", "        if True:\n",
+           ("tests/test_transport_hidden.py::test_a_prefix_hit_never_overtakes_the_deferred_rows_it_attaches_to",)),
     Mutant("s31-anchor-before-rows", "a request whose anchor lies before its rows sits the step out alone",
            "transport/attach.py", "order[plan.starts[order] < 0]", "order[plan.starts[order] < -(1 << 40)]",
            (TC + "::test_an_anchor_before_its_own_rows_costs_that_request_only",)),

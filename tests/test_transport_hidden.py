@@ -243,3 +243,33 @@ def test_a_step_over_the_message_limit_is_split_with_its_hidden_rows(checkpoints
         assert_drafts_follow_reference(out.drafts[1], reference, small_hidden[:40], int(small_tokens[40]))
     finally:
         assert srv.stop() == 0
+
+
+def test_a_prefix_hit_never_overtakes_the_deferred_rows_it_attaches_to(dflash, client_factory, reference,
+                                                                        monkeypatch):
+    """A request's last prompt rows go out deferred (their copy still running), it leaves, and the
+    next request is a prefix-cache hit on that prompt. Its reconnect must reach the server after
+    those rows (and the free that retains them): sent ahead of them, a DFlash server cannot match
+    the prefix (hidden rows cannot be rebuilt from tokens) and the new request sits out for good."""
+    import threading
+
+    from k3_accel.transport import layout
+    tokens, hidden = context(57, seed=11)
+    client = make(client_factory, dflash, ring_depth=2)
+    errors = client.server_stats()["errors"]          # the module's server: other tests' errors too
+    client.step(step("src", 0, 32, tokens, hidden))
+    copied = threading.Event()
+
+    class SlowCopy:                          # the device->pinned copy of the deferred rows, still running
+        def synchronize(self):
+            copied.wait(30)
+    stage = layout.stage
+    monkeypatch.setattr(layout, "stage", lambda *a, **kw: (stage(*a, **kw), SlowCopy())[1])
+    assert client.step(step("src", 32, 40, tokens, hidden, sampled=False)).deferred
+    monkeypatch.undo()
+    client.finish(["src"])
+    threading.Timer(0.5, copied.set).start()    # the hit's propose waits for the sender: let the copy end
+    hit = client.step(step("hit", 40, 56, tokens, hidden, prompt=tokens[:56])).drafts
+    assert not client.is_disabled("hit") and bool((hit >= 0).all())
+    assert_drafts_follow_reference(hit[0], reference, hidden[:56], int(tokens[56]))
+    assert client.server_stats()["errors"] == errors

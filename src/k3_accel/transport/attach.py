@@ -8,6 +8,8 @@ One drafting again whose rows start at its first row needs no history from then 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -16,13 +18,13 @@ from k3_accel.transport import layout
 from k3_accel.transport.api import StepInput
 from k3_accel.transport.book import Record, RequestBook
 from k3_accel.transport.failures import FailureKind
-from k3_accel.transport.outbox import Outbox
 from k3_accel.transport.timing import Telemetry
 
 
-def starts(inp: StepInput, recs: list[Record], plan: layout.RowPlan, book: RequestBook, outbox: Outbox,
-           telemetry: Telemetry) -> layout.RowPlan:
-    """``plan`` less the requests that sit this step out; reconnects sent for those attached."""
+def starts(inp: StepInput, recs: list[Record], plan: layout.RowPlan, book: RequestBook,
+           send: Callable[..., None], telemetry: Telemetry) -> layout.RowPlan:
+    """``plan`` less the requests that sit this step out; reconnects sent for those attached
+    (``send(msg, ids, kind, *frames)``: behind what is queued to go before them)."""
     order = plan.order
     if book.history_wanted:                # rows from the first one bring the whole context along
         for i in order[plan.starts[order] == 0].tolist():
@@ -52,7 +54,7 @@ def starts(inp: StepInput, recs: list[Record], plan: layout.RowPlan, book: Reque
             continue
         tokens = torch.as_tensor(prompt[:start] if not isinstance(prompt, torch.Tensor) else prompt[:start],
                                  dtype=torch.int64).cpu().contiguous()
-        outbox.send_plain(p.Reconnect(rec.handle, start), [rid], FailureKind.RECONNECT, p.tensor_frame(tokens))
+        send(p.Reconnect(rec.handle, start), [rid], FailureKind.RECONNECT, p.tensor_frame(tokens))
         telemetry.count("reconnects")
         rec.length, rec.sent = start, True
         book.attached(rec)

@@ -199,7 +199,7 @@ class DraftClient:
             return live
         anchor_tokens, anchor_positions = inp.anchors()
         plan = attach.starts(inp, recs, layout.plan_rows(counts, anchor_positions, ingest, propose),
-                             self.book, self.outbox, self.telemetry)
+                             self.book, self._send_in_order, self.telemetry)
         deferred = plan.propose.size == 0 and self.settings.ring_depth > 0
         t0 = time.perf_counter()
         if not deferred and not self.sender.wait_idle(self.settings.timeout_s):
@@ -299,6 +299,14 @@ class DraftClient:
         for handles, keep in ((retain, True), (drop, False)):
             if handles:
                 self._free(handles, keep)
+
+    def _send_in_order(self, msg, ids: list[str], kind: FailureKind, *frames) -> None:
+        """A plain message that must not overtake the deferred ingests queued before it (a
+        reconnect to rows still on their way): behind them on the sender thread, else at once."""
+        if self.sender.idle:
+            self.outbox.send_plain(msg, ids, kind, *frames)
+        else:
+            self.sender.submit(SendJob(lambda: self.outbox.send_plain(msg, ids, kind, *frames)))
 
     def _free(self, handles: list[int], retain: bool, queued: bool = False) -> None:
         if not self.link.ready:
