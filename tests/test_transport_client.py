@@ -180,16 +180,10 @@ def test_a_free_never_overtakes_the_deferred_ingest_of_its_request(server, clien
     (an abort mid-prefill, an off step): its free reaches the server after those rows. (Sent ahead
     of them, the late rows brought the freed request back to life on the server: active for good,
     holding one of the session's request slots.)"""
-    from k3_accel.transport import layout
+    from helpers.steps import held_copies
     client = client_factory(server.address, ring_depth=2)
     client.step(rows(["a"], [(0, [1, 2, 3])], anchors=[4]))
-    copied = threading.Event()
-
-    class SlowCopy:                          # the device->pinned copy of the deferred rows, still running
-        def synchronize(self):
-            copied.wait(10)
-    stage = layout.stage
-    monkeypatch.setattr(layout, "stage", lambda *a, **kw: (stage(*a, **kw), SlowCopy())[1])
+    copied = held_copies(monkeypatch)                 # the deferred rows' copy is still running
     assert client.step(rows(["a"], [(3, [4, 5, 6])], sampled=[False])).deferred
     monkeypatch.undo()
     client.finish(["a"])

@@ -253,18 +253,12 @@ def test_a_prefix_hit_never_overtakes_the_deferred_rows_it_attaches_to(dflash, c
     the prefix (hidden rows cannot be rebuilt from tokens) and the new request sits out for good."""
     import threading
 
-    from k3_accel.transport import layout
+    from helpers.steps import held_copies
     tokens, hidden = context(57, seed=11)
     client = make(client_factory, dflash, ring_depth=2)
     errors = client.server_stats()["errors"]          # the module's server: other tests' errors too
     client.step(step("src", 0, 32, tokens, hidden))
-    copied = threading.Event()
-
-    class SlowCopy:                          # the device->pinned copy of the deferred rows, still running
-        def synchronize(self):
-            copied.wait(30)
-    stage = layout.stage
-    monkeypatch.setattr(layout, "stage", lambda *a, **kw: (stage(*a, **kw), SlowCopy())[1])
+    copied = held_copies(monkeypatch)                 # the deferred rows' copy is still running
     assert client.step(step("src", 32, 40, tokens, hidden, sampled=False)).deferred
     monkeypatch.undo()
     client.finish(["src"])

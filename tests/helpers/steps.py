@@ -55,3 +55,20 @@ def drafts_again(client, timeout: float = 60.0) -> bool:
         out = client.step(step([f"fresh-{next(names)}"], [(0, [1, 2, 1])], anchors=[2]))
         return out.drafts[0, :2].tolist() == [1, 2]
     return wait_until(attempt, timeout, interval=0.02)
+
+
+def held_copies(monkeypatch):
+    """From now until ``monkeypatch.undo()``, every staged copy of rows (a deferred ingest's
+    device -> pinned copy) stays "running" until the returned event is set: the sender thread
+    holds those rows back, as a slow copy would."""
+    import threading
+
+    from k3_accel.transport import layout
+    copied = threading.Event()
+
+    class SlowCopy:
+        def synchronize(self):
+            copied.wait(30)
+    stage = layout.stage
+    monkeypatch.setattr(layout, "stage", lambda *a, **kw: (stage(*a, **kw), SlowCopy())[1])
+    return copied
