@@ -321,6 +321,27 @@ def test_auto_cache_is_keyed_on_driver_and_topology(two):
     assert out[0] == out[1] == ["measured", "cache", "measured", "cache", "measured", "measured", "measured"]
 
 
+def _thresholds_differ(rank, world):
+    """Each rank was given its own byte threshold (say, its own environment): 6,000,000 and
+    6,000,032 bytes. Both print as "5.7 MiB", yet a tensor between them would go to the ring
+    on one rank and to NCCL on the other (mismatched collectives)."""
+    group = dist.new_group(backend="gloo")
+    router = build_router(
+        group=group, device=torch.device("cpu"), threshold=DmaThreshold.at(6_000_000 + 32 * rank),
+        max_bytes=8 * MiB, fallback=lambda t: t, hooks=loopback_hooks(rank, world),
+    )
+    res = (router.dma_min_bytes, router.decision.reason, router.decision.failed)
+    router.close()
+    return res
+
+
+def test_ranks_with_different_byte_thresholds_keep_the_stock_path(two):
+    out = [r["thresholds-differ"] for r in two]
+    for min_bytes, reason, failed in out:
+        assert min_bytes is None and failed
+        assert "ranks disagree on settings or sizing: threshold" in reason
+
+
 # ------------------------------------------------------------ the groups
 # Spawning a group costs seconds on a 2-core CI box, so each group size is
 # spawned once per module and runs every case in a row; the tests read their part.
@@ -343,6 +364,7 @@ def _all_two(rank, world, root):
         "auto-never": _auto_router(rank, world, False, f"{root}/never"),
         "auto-wins": _auto_router(rank, world, True, f"{root}/wins"),
         "keyed": _keyed(rank, world, f"{root}/keyed"),
+        "thresholds-differ": _thresholds_differ(rank, world),
     }
 
 

@@ -226,7 +226,7 @@ class _Start:
         hook = self.hooks.on_stage or (lambda name: None)
         hook("inputs:start")
         same = (
-            str(self.threshold), self.max_bytes, self.world, self.next_name, str(self.measure_dtype),
+            self.threshold, self.max_bytes, self.world, self.next_name, str(self.measure_dtype),
             bool(self.capturable), tuple((int(n), str(d)) for n, d in self.capture_sizes),
         )
         report = self.oneshot.all_peer_report() if self.oneshot is not None else None
