@@ -394,3 +394,15 @@ def test_cache_key_covers_world_size_topology_and_driver():
     assert base != cache_key(environment_fields(4, topology, ("570.1", "570.1")))
     assert base != cache_key(environment_fields(2, (1, (("H200", "GPU-a"), ("H200", "GPU-c"))), ("570.1", "570.1")))
     assert base != cache_key(environment_fields(2, topology, ("575.2", "575.2")))
+
+
+def test_a_cache_write_that_fails_leaves_no_temporary_file(tmp_path):
+    """A crossover that cannot be cached is logged and dropped; every start that fails to write
+    must not leave its half-written temporary file behind in the cache directory."""
+    cache = CrossoverCache(tmp_path)
+    key = cache_key({"world_size": 2})
+    cache.path(key).mkdir()                                  # the entry's name is taken by a directory
+    (cache.path(key) / "x").write_text("occupied")           # ... that is not empty: the rename fails
+    decision = CrossoverDecision(24 * MiB, "because", tuple(PCIE), "measured", key)
+    assert cache.store(key, decision, {"world_size": 2}) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == [cache.path(key).name]

@@ -22,6 +22,7 @@ fail alone half-way through the ring's collectives for want of memory.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -182,14 +183,18 @@ class CrossoverCache:
         data["key"] = key
         data["fields"] = {k: fields[k] for k in sorted(fields)}
         data["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as fh:
-                json.dump(data, fh, indent=1, default=str)
                 tmp = fh.name
+                json.dump(data, fh, indent=1, default=str)
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("k3-accel: could not write DMA crossover cache %s: %s", path, exc)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             return None
         return path
 
