@@ -120,3 +120,18 @@ def test_a_missing_rope_theta_is_read_as_vllm_reads_it(tmp_path, target):
     hf = get_config(str(d), trust_remote_code=False)
     set_default_rope_theta(hf, default_theta=1000000)
     assert read_dspark_config(str(d)).rope_theta == hf.rope_parameters["rope_theta"]
+
+
+@pytest.mark.parametrize("top", [True, False])
+def test_a_nested_sample_from_anchor_is_judged_as_vllm_judges_it(target, top):
+    """vLLM 0.33's DSpark speculator runs DFlash's check first: ``dflash_config.sample_from_anchor``
+    true is refused, false is accepted, and the layout is the top-level field's either way."""
+    from k3_accel.server.engines.dflash.dspark_config import parse_dspark_config
+    from k3_accel.testing.tiny_dspark import tiny_dspark_weights
+
+    _, cfg = tiny_dspark_weights(target, sample_from_anchor=top)
+    nested = {**cfg, "dflash_config": {**(cfg.get("dflash_config") or {}), "sample_from_anchor": False}}
+    assert parse_dspark_config(nested).sample_from_anchor is top
+    nested["dflash_config"]["sample_from_anchor"] = True
+    with pytest.raises(CheckpointError, match="sample_from_anchor"):
+        parse_dspark_config(nested)

@@ -92,8 +92,9 @@ def parse_dspark_config(cfg: Mapping[str, Any], where: str = "config.json") -> D
     if cfg.get("markov_head_type", "vanilla") != "vanilla":
         raise CheckpointError(f"{where}: markov_head_type {cfg['markov_head_type']!r} is not supported")
     dflash = dict(cfg.get("dflash_config") or {})
-    if "sample_from_anchor" in dflash:
-        raise CheckpointError(f"{where}: 'sample_from_anchor' belongs at the top level of a DSpark config")
+    if dflash.pop("sample_from_anchor", False):      # vLLM: DFlash's check, run first; the layout is top-level
+        raise CheckpointError(f"{where}: dflash_config.sample_from_anchor=true is refused (as vLLM refuses it); "
+                              f"a DSpark layout is the top-level 'sample_from_anchor'")
     ids, mask = layer_ids(cfg), mask_token_id(cfg)
     if ids is None:
         raise CheckpointError(f"{where}: no target layer ids (dspark_target_layer_ids, target_layer_ids "
