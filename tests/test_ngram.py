@@ -1,6 +1,7 @@
 """Prompt lookup on crafted histories, and the indexed engine against the reference."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -197,3 +198,24 @@ def test_decode_rows_with_large_ids_match_exactly(tokens, anchor, k):
         ingest(engine, state, pos, [token])
     want = lookup([*tokens, anchor], k)
     assert propose(engine, [state], [anchor], k)[0].tolist() == want + [-1] * (k - len(want))
+
+
+@pytest.mark.vllm033
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40), k=st.integers(1, 7), min_n=st.integers(1, 3),
+       extra=st.integers(0, 3), cut=st.integers(0, 40), chunk=st.sampled_from([1, 3, 70]))
+def test_drafts_equal_vllm_ngram_proposer(tokens, k, min_n, extra, cut, chunk):
+    """The peer oracle: vLLM 0.33's own ``NgramProposer`` search (its numba kernel) over the history
+    and the anchor gives the same drafts, after rows in chunks, a rewind and a fork."""
+    import numpy as np
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as vllm_ngram
+    engine = NgramEngine(min_n=min_n, max_n=min_n + extra, block_size=4, budget_bytes=1 << 20)
+    state, (*history, anchor) = engine.new_state(), tokens
+    for lo in range(0, len(history), chunk):
+        ingest(engine, state, lo, history[lo:lo + chunk])
+    cut = min(cut, len(history))
+    fork = engine.fork(state, cut)
+    ingest(engine, state, cut, history[cut:][::-1])                  # a rewind, other rows after it
+    for s, h in ((state, history[:cut] + history[cut:][::-1]), (fork, history[:cut])):
+        want = vllm_ngram(np.array([*h, anchor], dtype=np.int64), min_n, min_n + extra, 1 << 20, k).tolist()
+        assert propose(engine, [s], [anchor], k)[0].tolist() == want + [-1] * (k - len(want))
