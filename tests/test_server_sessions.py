@@ -233,3 +233,45 @@ def test_the_loop_lets_go_of_every_connection_whose_session_ended():
         stop.set()
         thread.join(30)
         ctx.term()
+
+
+def test_the_loop_lets_go_of_a_sessions_connections_that_went_silent_for_the_lease():
+    """A target whose socket is rebuilt (a timeout, a server stopped for a while) says hello again with
+    its session key on a new connection; the session lives on, and so did the old connection's entry,
+    scanned at every turn, one more per reconnect for the target's whole life. A connection that sends
+    nothing for the lease is forgotten like a session; one that speaks again gets NO_SESSION (and
+    a hello binds it again), while the session and what it stores stay."""
+    import threading
+
+    import zmq
+
+    from helpers.service import LocalService
+    from k3_accel.server.loop import ServerLoop
+
+    local = LocalService()
+    ctx = zmq.Context()
+    loop = ServerLoop(local.service, ["tcp://127.0.0.1:0"], 1 << 26, ctx=ctx, lease_s=1.0)
+    stop = threading.Event()
+    thread = threading.Thread(target=loop.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        assert loop.ready.wait(30)
+        stay = Wire(loop.endpoints[0])
+        _store(stay, A)
+        idle = Wire(loop.endpoints[0], session=stay.session)
+        for _ in range(20):                  # the same target reconnecting, again and again
+            w = Wire(loop.endpoints[0], session=stay.session)
+            assert w.call(p.Ping()).ok
+            w.close()
+        assert wait_until(lambda: stay.call(p.Ping()).ok and len(loop._conns) == 1, timeout=30), \
+            f"{len(loop._conns)} connections kept"
+        assert list(local.store.sessions) == [stay.session]
+        assert idle.call(p.Ping()).error[0] == "NO_SESSION"              # forgotten: it says hello again
+        assert idle.call(p.Hello(idle.session, "wire")).ok
+        assert _ask(idle, A, 3) == _expected(A, 3)                        # the session kept its contexts
+        for w in (stay, idle):
+            w.close()
+    finally:
+        stop.set()
+        thread.join(30)
+        ctx.term()

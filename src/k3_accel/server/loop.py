@@ -55,6 +55,7 @@ class _Conn:
     owner: str | None = None                      # CURVE client key (z85), when CURVE is on
     queue: deque = field(default_factory=deque)   # p.Request or a ready Reply (decode errors)
     job: Any = None                               # its head propose, prepared (rows stored), not launched
+    last_seen: float = field(default_factory=time.monotonic)   # its latest message's arrival
 
 
 class ServerLoop:
@@ -132,8 +133,10 @@ class ServerLoop:
         conn = self._conns.get(ident)
         if conn is None:
             conn = self._conns[ident] = _Conn(ident, owner=frames[1].get("User-Id") if self.curve else None)
-        elif conn.session is not None:
-            conn.session.last_seen = time.monotonic()     # the lease counts arrivals, not handling
+        else:
+            conn.last_seen = time.monotonic()
+            if conn.session is not None:
+                conn.session.last_seen = conn.last_seen   # the lease counts arrivals, not handling
         try:
             req = p.decode_request(frames[1:], self.max_message_bytes)
             conn.queue.append(req)
@@ -264,8 +267,10 @@ class ServerLoop:
                 self.service.reclaim(session, f"no message for {self.lease_s:g}s")
                 for conn in [c for c in self._conns.values() if c.session is session]:
                     conn.session = None
-        for ident in [i for i, c in self._conns.items()      # unbound, or its session ended (bye)
-                      if not c.queue and (c.session is None or not store.is_open(c.session))]:
+        # unbound, its session ended (bye), or silent for the lease (a client's socket rebuilt: its
+        # session lives on through the new one)
+        for ident in [i for i, c in self._conns.items() if not c.queue and (
+                c.session is None or not store.is_open(c.session) or 0 < self.lease_s < now - c.last_seen)]:
             del self._conns[ident]
         self.service.plane.collect()
         self.gather.forget()
