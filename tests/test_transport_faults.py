@@ -263,3 +263,36 @@ def test_a_rearmed_request_that_starts_over_from_its_first_row_stops_asking_for_
     out = client.step(rows(["a"], [(0, [1, 2, 1, 2])], anchors=[1]))  # recomputed from its first row
     assert out.drafts[0, :2].tolist() == [2, 1]
     assert "a" not in client.wants_history()
+
+
+def test_a_free_lost_with_the_link_reaches_the_server_afterwards(client_factory, tmp_path_factory):
+    """A free queued behind rows a stalled server never read (more bytes than the socket's buffers
+    hold) is dropped with the socket when the link times out; the server, which keeps this client's
+    session over the reconnect, held the request active for good (a request slot and its blocks
+    gone for the target's life). A free lost with the link is sent again once it is back (freeing
+    is idempotent: a free the server did get changes nothing the second time)."""
+    from helpers.server import ServerProcess
+    path = tmp_path_factory.mktemp("ipc", numbered=True) / "s.sock"      # a unix socket: small buffers
+    rows_per_step = 1 << 17                                              # 1 MiB of token ids a step
+    srv = ServerProcess("--engine", "ngram", "--ipc-path", str(path))
+    try:
+        client = client_factory(f"ipc://{path}", timeout_ms=1500, max_rows=rows_per_step, ring_depth=2)
+        client.step(rows(["a"], [(0, [1, 2, 1])], anchors=[2]))
+        client.flush()
+        assert client.server_stats()["active"] == 1
+        srv.pause()
+        try:
+            for i in range(2):                                           # deferred, never read
+                client.step(rows([f"big{i}"], [(0, [7] * rows_per_step)], sampled=[False]))
+            assert client.sender.wait_idle(60)
+            client.finish(["a"])                                         # its free queues behind them
+            client.step(rows(["b"], [(0, [3, 4, 3])], anchors=[4]))      # times out: the link is dropped
+            assert client.state.value == "disconnected"
+        finally:
+            srv.resume()
+        assert drafts_again(client)
+        client.finish(list(client.book.records))
+        client.flush()
+        assert wait_until(lambda: client.server_stats()["active"] == 0, timeout=30), client.server_stats()
+    finally:
+        srv.stop()

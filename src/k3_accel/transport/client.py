@@ -315,8 +315,8 @@ class DraftClient:
         if not queued and not self.sender.idle:   # after the deferred ingests queued before it, never
             self.sender.submit(SendJob(lambda: self._free(handles, retain, True)))   # ahead of their rows
             return
-        try:
-            self.outbox.send_plain(p.Free(handles, retain))
+        try:          # lost with the link (queued behind rows a stalled server never read): sent again
+            self.outbox.send_plain(p.Free(handles, retain), lost=lambda: self.book.hold_frees(handles, retain))
             self.telemetry.count_async("free_messages")
         except TransportError as exc:
             self.book.hold_frees(handles, retain)

@@ -10,7 +10,7 @@ failures of the requests they name.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -195,11 +195,15 @@ class Outbox:
             release()
             raise
 
-    def send_plain(self, msg, ids: list[str] = (), kind: FailureKind = FailureKind.REQUEST, *frames) -> Pending:
-        """Send a message that views no slot (frees, reconnects); settled when its reply is read."""
+    def send_plain(self, msg, ids: list[str] = (), kind: FailureKind = FailureKind.REQUEST, *frames,
+                   lost: Callable[[], None] | None = None) -> Pending:
+        """Send a message that views no slot (frees, reconnects); settled when its reply is read.
+        ``lost()``: the link went before its reply (the server may never have got it)."""
         def abandon(item: Pending, exc: Exception) -> None:
             if ids:
                 self.book.failures.push(FailureKind.TRANSPORT, ids, f"{item.op} seq={item.seq}: {exc}")
+            if lost is not None:
+                lost()
         return self.link.conn.send(msg, *frames, keepalive=frames,
                                    on_reply=lambda item: self._settle(item, list(ids), kind), on_abandon=abandon)
 
