@@ -58,6 +58,19 @@ def test_a_taken_port_fails_startup_with_a_message():
     assert run.returncode == 1 and f"cannot bind tcp://127.0.0.1:{port}" in run.stderr, run.stderr
 
 
+def test_a_taken_http_port_fails_startup_with_a_message_naming_the_flag():
+    """Two servers on one host both take --http-port 8095 unless told otherwise: the second one
+    says which port and flag, as for the ZMQ port, instead of dying in a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "k3_accel.server.cli", "--engine", "ngram", "--port", "0",
+                              "--http-port", str(port)], capture_output=True, text=True, env=src_env(), timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert f"127.0.0.1:{port}" in run.stderr and "--http-port" in run.stderr, run.stderr
+
+
 @pytest.mark.parametrize("path, needle", [("/no/such/dir/x.sock", "existing directory"),
                                           ("/tmp/" + "x" * 120, "unix socket limit")])
 def test_ipc_path_is_checked(path, needle, capsys):

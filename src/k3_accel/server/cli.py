@@ -217,12 +217,15 @@ def _load_engine(args: argparse.Namespace) -> DraftEngine:
 
 def serve(args: argparse.Namespace, stop: threading.Event) -> None:
     """Load the engine, bind sockets, serve until ``stop`` is set."""
-    ctx = zmq.Context()
-    curve = CurveGuard(ctx, args.curve_secret_key, args.curve_authorized_keys) if args.curve_secret_key else None
     metrics = ServerMetrics()
     loop = None
-    http = HealthServer(args.host, args.http_port, metrics.registry,
-                        ready=lambda: loop is not None and loop.ready.is_set(), on_scrape=metrics.flush).start()
+    try:
+        http = HealthServer(args.host, args.http_port, metrics.registry,
+                            ready=lambda: loop is not None and loop.ready.is_set(), on_scrape=metrics.flush).start()
+    except OSError as exc:
+        raise StartupError(f"cannot serve http on {_bracket(args.host)}:{args.http_port} (--http-port): {exc}") from None
+    ctx = zmq.Context()
+    curve = CurveGuard(ctx, args.curve_secret_key, args.curve_authorized_keys) if args.curve_secret_key else None
     log.info("http on %s:%d (/healthz /readyz /metrics)", args.host, http.port)
     try:
         if args.threads:
