@@ -231,6 +231,18 @@ def test_a_client_reading_a_v1_reply_gets_bad_version():
     assert info.value.code is ErrorCode.BAD_VERSION
 
 
+def test_a_client_reading_a_reply_of_another_version_gets_bad_version():
+    """A newer server's reply whose header still parses as ours is another protocol all the same:
+    BAD_VERSION naming both versions, with its seq (so its pending fails at once), as the server
+    does for a request."""
+    for version in (p.PROTOCOL_VERSION + 1, 0):
+        raw = msgspec.msgpack.encode([version, 7, True, "srv", None, [], {"engine": "ngram"}, []])
+        with pytest.raises(ProtocolError) as info:
+            p.decode_reply([raw])
+        assert info.value.code is ErrorCode.BAD_VERSION and info.value.seq == 7
+        assert str(version) in info.value.message and str(p.PROTOCOL_VERSION) in info.value.message
+
+
 def test_caps_accept_new_fields_and_default_missing_optional_ones():
     caps = p.Caps(engine="ngram", needs_hidden_states=False, context_width=0, hidden_dtypes=[],
                   supports_logits=False, supports_topk=False, max_spec_tokens=8, block_size=16, vocab_size=0)

@@ -81,6 +81,9 @@ def decode_reply(frames: Sequence[Any]) -> Reply:
             raise ProtocolError(ErrorCode.BAD_VERSION, f"the server speaks protocol {version!r}, "
                                                        f"this client {PROTOCOL_VERSION}", seq) from None
         raise ProtocolError(ErrorCode.BAD_FRAME, "not a reply", seq) from None
+    if head.v != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.BAD_VERSION, f"the server speaks protocol {head.v!r}, "
+                                                   f"this client {PROTOCOL_VERSION}", head.seq)
     if len(frames) - 1 != len(head.tensors):
         raise ProtocolError(ErrorCode.FRAME_MISMATCH, "reply frames do not match its header", head.seq)
     tensors = {}
