@@ -59,6 +59,22 @@ def test_other_ngram_sizes_are_a_note_naming_the_server_flags(ngram, checkpoints
     assert "--ngram-min 5 --ngram-max 5" in run.stdout
 
 
+def test_ngram_sizes_left_out_are_vllms_defaults(ngram, checkpoints):
+    """vLLM 0.33 sets prompt_lookup_min/max to 5/5 when neither is given and one to the other when
+    only one is: the doctor compares those sizes (a note against a 1..3 server), and refuses a
+    config vLLM refuses (min > max)."""
+    target, _ = checkpoints
+    run = doctor(ngram.address, target, {"method": "ngram", "num_speculative_tokens": 4}, "--max-num-seqs", "16")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "the target's prompt_lookup_min/max are 5..5" in run.stdout
+    run = doctor(ngram.address, target, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2},
+                 "--max-num-seqs", "16")
+    assert run.returncode == 0 and "the target's prompt_lookup_min/max are 2..2" in run.stdout, run.stdout
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 4, "prompt_lookup_max": 2}
+    run = doctor(ngram.address, target, spec)
+    assert run.returncode == 2 and "prompt_lookup_min=4 must be <= prompt_lookup_max=2" in run.stdout, run.stdout
+
+
 def test_k_beyond_the_server_is_a_failure_naming_both_values(ngram, checkpoints):
     target, _ = checkpoints
     run = doctor(ngram.address, target, {"method": "ngram", "num_speculative_tokens": 40})

@@ -63,6 +63,23 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
         raise DoctorError(f"{what}: {path} is not JSON ({exc})") from None
 
 
+def _prompt_lookup(spec: dict[str, Any]) -> tuple[int | None, int | None]:
+    """vLLM's ``prompt_lookup_min``/``max`` for ``ngram``: 5/5 when neither is given, one the other
+    when only one is, integers >= 1 with min <= max (DoctorError as vLLM refuses otherwise)."""
+    lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    if spec.get("method") != "ngram":
+        return lo, hi
+    for key, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise DoctorError(f"--speculative-config: {key}={value!r}: expected an integer >= 1")
+    if lo is None and hi is None:
+        lo = hi = 5
+    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+    if lo > hi:
+        raise DoctorError(f"--speculative-config: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+    return lo, hi
+
+
 def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[handshake.TargetNeeds, Any]:
     """The target's side of the checks, from its checkpoint and speculative config (the aux
     layers by the plugin's own rule: vLLM's resolution, ascending, each once)."""
@@ -85,6 +102,7 @@ def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[h
         if method in HIDDEN_METHODS:
             layers = aux_layer_ids(SimpleNamespace(method=method, model=spec["model"], draft_model_config=(
                 SimpleNamespace(hf_config=SimpleNamespace(**draft)))))
+    lookup_min, lookup_max = _prompt_lookup(spec)
     hidden = int(text.get("hidden_size", 0))
     dtype = _DTYPES.get(str(text.get("torch_dtype") or text.get("dtype") or "bfloat16"), torch.bfloat16)
     ships = method in HIDDEN_METHODS
@@ -93,8 +111,8 @@ def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[h
                                   hidden_size=hidden if ships else 0, aux_layer_ids=layers if ships else (),
                                   max_requests=max_num_seqs,
                                   draft=draft_signature(SimpleNamespace(
-                                      method=method, prompt_lookup_min=spec.get("prompt_lookup_min"),
-                                      prompt_lookup_max=spec.get("prompt_lookup_max"), draft_model_config=(
+                                      method=method, prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max,
+                                      draft_model_config=(
                                           SimpleNamespace(hf_config=SimpleNamespace(**draft)))))
                                   if spec.get("model") or method == "ngram" else {})
     spec_ns = SimpleNamespace(method=method, draft_model_config=SimpleNamespace(architectures=archs),
