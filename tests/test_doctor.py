@@ -88,6 +88,20 @@ def test_a_method_drafted_locally_is_reported(ngram, checkpoints):
     assert run.returncode == 1 and "method 'eagle3' is drafted locally" in run.stdout
 
 
+def test_a_dflash_draft_is_gated_under_the_name_vllm_gives_it(tmp_path, checkpoints):
+    """vLLM 0.33 serves a dflash draft as DFlash{arch} (EAGLEConfig): Laguna's draft checkpoint says
+    LagunaForCausalLM, vLLM runs DFlashLagunaForCausalLM, which the plugin leaves local; the doctor
+    must say so too (it stops before any hello, so nobody need listen)."""
+    from helpers.ports import free_port
+    target, draft = checkpoints
+    cfg = json.loads((draft / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["LagunaForCausalLM"]}))
+    run = doctor(f"tcp://127.0.0.1:{free_port()}", target,
+                 {"method": "dflash", "model": str(tmp_path), "num_speculative_tokens": 4})
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "draft architecture DFlashLagunaForCausalLM is not plain DFlash" in run.stdout
+
+
 def test_nobody_listening_is_a_failure_with_advice(checkpoints):
     from helpers.ports import free_port
     target, _ = checkpoints

@@ -97,6 +97,9 @@ def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[h
         archs = draft.get("architectures") or []
         if method == "dspark" and "DSparkDraftModel" in archs and draft.get("model_type") == "qwen3":
             archs = ["Qwen3DSparkModel"]            # vLLM renames it so
+        if method == "dflash":                      # and a dflash draft's (EAGLEConfig): DFlash{arch}
+            archs = [a if a.startswith("DFlash") or a.endswith("DFlash") or a == "LiLiCorrDraftModel"
+                     else f"DFlash{a}" for a in archs]
         if method == "dspark" and spec.get("dspark_draft_topk") is not None:
             draft = {**draft, "dspark_draft_topk": spec["dspark_draft_topk"]}   # vLLM's override
         if method in HIDDEN_METHODS:
