@@ -172,6 +172,23 @@ def test_doctor_reads_the_aux_layers_and_the_draft_tp_as_the_plugin_does(tmp_pat
     assert draft_tp_note(explicit, 4) is None
 
 
+def test_a_draft_tp_vllm_refuses_is_a_failure(tmp_path, checkpoints):
+    """vLLM 0.33 takes draft_tensor_parallel_size 1 or the target's TP only, and refuses a draft whose
+    heads do not divide its draft TP (verify_with_parallel_config): written out, no hook changes it."""
+    from helpers.ports import free_port
+    target, draft = checkpoints
+    cfg = json.loads((draft / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 6}))
+    spec = {"method": "dflash", "model": str(tmp_path), "num_speculative_tokens": 4}
+    address = f"tcp://127.0.0.1:{free_port()}"
+    run = doctor(address, target, {**spec, "draft_tensor_parallel_size": 2}, "--tensor-parallel-size", "4")
+    assert run.returncode == 1 and "draft_tensor_parallel_size 2" in run.stdout, run.stdout
+    assert "is not 1 or the target's TP 4" in run.stdout
+    run = doctor(address, target, {**spec, "draft_tensor_parallel_size": 4}, "--tensor-parallel-size", "4")
+    assert run.returncode == 1, run.stdout
+    assert "6 attention heads, not divisible by draft_tensor_parallel_size 4" in run.stdout
+
+
 @pytest.fixture(scope="module")
 def dflash_out_of_order(tmp_path_factory, checkpoints):
     """A real DFlash server whose draft config lists its target layers out of order ([2, 0])."""

@@ -136,6 +136,20 @@ def draft_tp_note(spec: Any, tensor_parallel_size: int) -> str | None:
             f"on the target). Write it into --speculative-config to be explicit.")
 
 
+def draft_tp_refusal(spec: Any, tensor_parallel_size: int) -> str | None:
+    """Why vLLM refuses the draft TP written into the speculative config (None: it does not)."""
+    draft_tp, heads = getattr(spec, "draft_tp", None), getattr(spec, "draft_heads", 0)
+    if spec.method not in HIDDEN_METHODS or draft_tp is None:
+        return None
+    if draft_tp not in (1, tensor_parallel_size):
+        return (f"draft_tensor_parallel_size {draft_tp} is not 1 or the target's TP {tensor_parallel_size}; "
+                f"vLLM refuses it")
+    if heads and heads % draft_tp:
+        return (f"draft TP: the draft config has {heads} attention heads, not divisible by "
+                f"draft_tensor_parallel_size {draft_tp}; vLLM refuses it (write 1)")
+    return None
+
+
 def diagnose(address: str, needs: handshake.TargetNeeds, spec: Any, *, max_batched_tokens: int,
              curve_server_key: str | None = None, curve_client_key: str | None = None,
              timeout_ms: int = 10000, round_trips: int = 20, tensor_parallel_size: int = 1) -> Report:
@@ -147,6 +161,10 @@ def diagnose(address: str, needs: handshake.TargetNeeds, spec: Any, *, max_batch
     tp_note = draft_tp_note(spec, tensor_parallel_size)
     if tp_note is not None:
         report.note(tp_note)
+    refused = draft_tp_refusal(spec, tensor_parallel_size)
+    if refused is not None:
+        report.bad(refused)
+        return report
     why = unserved_reason(spec)
     if why is not None:
         report.bad(f"speculative method: {why}; set method to dflash, dspark or ngram")
