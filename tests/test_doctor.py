@@ -109,6 +109,23 @@ def test_nobody_listening_is_a_failure_with_advice(checkpoints):
     assert run.returncode == 1 and "no answer from" in run.stdout and "is k3-draft-server running" in run.stdout
 
 
+def test_curve_keys_that_cannot_serve_exit_2_naming_the_flag(checkpoints, tmp_path):
+    """A missing key file, a client certificate without its secret half, or one key of the pair
+    alone: a usage error naming the flag (exit 2), not a traceback."""
+    import zmq.auth
+    from helpers.ports import free_port
+    target, _ = checkpoints
+    public, _secret = zmq.auth.create_certificates(str(tmp_path), "client")
+    address, spec = f"tcp://127.0.0.1:{free_port()}", {"method": "ngram", "num_speculative_tokens": 4}
+    missing = str(tmp_path / "nowhere.key")
+    for flags, needle in ((("--curve-server-key", missing, "--curve-client-key", _secret), "--curve-server-key"),
+                          (("--curve-server-key", public, "--curve-client-key", public), "--curve-client-key"),
+                          (("--curve-server-key", public), "--curve-client-key")):
+        run = doctor(address, target, spec, *flags)
+        assert run.returncode == 2 and "Traceback" not in run.stdout + run.stderr, run.stdout + run.stderr
+        assert needle in run.stdout, run.stdout
+
+
 def test_a_bad_target_description_exits_2(ngram, tmp_path):
     run = doctor(ngram.address, tmp_path, {"method": "ngram", "num_speculative_tokens": 4})
     assert run.returncode == 2 and "config.json not found" in run.stdout

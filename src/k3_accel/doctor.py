@@ -301,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
         if not isinstance(spec, dict):
             raise DoctorError("--speculative-config: expected a JSON object")
         needs, spec_ns = target_needs(args.model, spec, args.max_num_seqs)
+        _check_curve(args.curve_server_key, args.curve_client_key)
     except (DoctorError, ValueError) as exc:
         print(f"k3-accel doctor: {exc}")
         return 2
@@ -312,6 +313,23 @@ def run(args: argparse.Namespace) -> int:
                "unchanged). Fix the FAIL lines above.")
     print(f"k3-accel doctor: {args.address}\n{report.render(verdict)}")
     return 0 if report.ok else 1
+
+
+def _check_curve(server_key: str | None, client_key: str | None) -> None:
+    """DoctorError naming the flag when the CURVE keys cannot serve (one alone, a file that holds
+    no certificate, a client certificate without its secret key), as the client would load them."""
+    import zmq.auth
+    if not server_key and not client_key:
+        return
+    if not server_key or not client_key:
+        raise DoctorError("--curve-server-key and --curve-client-key go together")
+    for flag, path in (("--curve-server-key", server_key), ("--curve-client-key", client_key)):
+        try:
+            _public, secret = zmq.auth.load_certificate(path)
+        except (OSError, ValueError) as exc:
+            raise DoctorError(f"{flag} {path}: {exc}") from None
+        if flag == "--curve-client-key" and secret is None:
+            raise DoctorError(f"{flag} {path}: holds no secret key (give the client's *.key_secret file)")
 
 
 def add_parser(sub) -> None:
