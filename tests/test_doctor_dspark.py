@@ -82,3 +82,14 @@ def test_a_top_k_set_in_the_speculative_config_is_the_one_checked(server, models
     run = doctor(server.address, target, anchor, dspark_draft_topk=3)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "draft draft_topk: server None, target's draft config 3" in run.stdout
+
+
+def test_without_num_speculative_tokens_k_is_the_draft_block_size(models):
+    """vLLM 0.33 takes a dspark draft's K from its block size when the speculative config gives none
+    (``num_speculative_tokens`` is optional for dspark): the doctor accepts that config and checks it."""
+    from k3_accel.doctor import target_needs
+    target, anchor, _ = models
+    block = json.loads((anchor / "config.json").read_text())["block_size"]
+    needs, _ = target_needs(str(target), {"method": "dspark", "model": str(anchor)}, 8)
+    assert needs.num_speculative_tokens == block
+

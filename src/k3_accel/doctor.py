@@ -87,13 +87,16 @@ def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[h
     text = cfg.get("text_config", cfg)
     method = spec.get("method")
     k = spec.get("num_speculative_tokens")
-    if not isinstance(method, str) or not isinstance(k, int) or k < 1:
-        raise DoctorError("--speculative-config needs \"method\" and \"num_speculative_tokens\" >= 1")
     archs: list[str] = []
     layers: tuple[int, ...] = ()
     draft: dict[str, Any] = {}
-    if spec.get("model"):
+    if isinstance(method, str) and spec.get("model"):
         draft = _read_json(Path(spec["model"]) / "config.json", "draft model (speculative_config.model)")
+        if method == "dspark" and k is None:        # vLLM: a DSpark draft's K is its block size
+            k = draft.get("block_size", draft.get("dspark_block_size"))
+    if not isinstance(method, str) or not isinstance(k, int) or k < 1:
+        raise DoctorError("--speculative-config needs \"method\" and \"num_speculative_tokens\" >= 1")
+    if spec.get("model"):
         archs = draft.get("architectures") or []
         if method == "dspark" and "DSparkDraftModel" in archs and draft.get("model_type") == "qwen3":
             archs = ["Qwen3DSparkModel"]            # vLLM renames it so
