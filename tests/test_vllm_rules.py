@@ -64,6 +64,37 @@ def test_draft_tp_is_set_only_for_a_remote_draft_the_user_left_unset(monkeypatch
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("spec", [
+    {"method": "dflash", "architectures": ["DFlash2DraftModel"]},     # DFlash2: vLLM drafts it
+    {"method": "dflash", "architectures": ["LagunaForCausalLM"]},     # vLLM's DFlashLagunaForCausalLM
+    {"method": "dspark", "architectures": ["Gemma4DSparkModel"]},     # not a Qwen3 DSpark draft
+    {"method": "dspark"},                                             # DeepSeek's, in the target checkpoint
+])
+def test_draft_tp_stays_stock_for_a_draft_that_stays_local(monkeypatch, tmp_path, spec):
+    """A draft the server does not draft keeps vLLM's own drafting, draft TP included: with an address
+    set, a DFlash2 draft (or a non-Qwen3 DSpark draft) must still run at the TP vLLM gives it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from k3_accel.vllm.spec_decode.hooks import _wrap_create_spec
+    monkeypatch.delenv(ADDRESS_ENV, raising=False)
+    seen: list[dict] = []
+    create = _wrap_create_spec(lambda self, *a, **k: seen.append(dict(self.speculative_config)))
+    target = tmp_path / "target"
+    target.mkdir()
+    cfg = {"method": spec["method"], "num_speculative_tokens": 4}
+    if "architectures" in spec:
+        draft = tmp_path / "draft"
+        draft.mkdir()
+        (draft / "config.json").write_text(json.dumps({"architectures": spec["architectures"],
+                                                       "model_type": "qwen3"}))
+        cfg["model"] = str(draft)
+    args = EngineArgs(model=str(target), speculative_config=dict(cfg),
+                      additional_config={"k3_accel": {"draft_address": "tcp://127.0.0.1:5557"}})
+    create(args)
+    assert seen[-1] == cfg
+
+
+@pytest.mark.vllm
 def test_register_reports_a_hook_that_does_not_apply_here_as_off():
     """The DMA communicator applies only on a CUDA platform: register() says off where it is not,
     and on (with every other hook) where it is, in a fresh process like vLLM's."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from k3_accel.transport import handshake
-from k3_accel.vllm.spec_decode.methods import HIDDEN_METHODS, draft_signature
+from k3_accel.vllm.spec_decode.methods import HIDDEN_METHODS, draft_architectures, draft_signature
 from k3_accel.vllm.spec_decode.session import aux_layer_ids
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -97,12 +97,7 @@ def target_needs(model: str, spec: dict[str, Any], max_num_seqs: int) -> tuple[h
     if not isinstance(method, str) or not isinstance(k, int) or k < 1:
         raise DoctorError("--speculative-config needs \"method\" and \"num_speculative_tokens\" >= 1")
     if spec.get("model"):
-        archs = draft.get("architectures") or []
-        if method == "dspark" and "DSparkDraftModel" in archs and draft.get("model_type") == "qwen3":
-            archs = ["Qwen3DSparkModel"]            # vLLM renames it so
-        if method == "dflash":                      # and a dflash draft's (EAGLEConfig): DFlash{arch}
-            archs = [a if a.startswith("DFlash") or a.endswith("DFlash") or a == "LiLiCorrDraftModel"
-                     else f"DFlash{a}" for a in archs]
+        archs = draft_architectures(method, draft)      # as vLLM renames them
         if method == "dspark" and spec.get("dspark_draft_topk") is not None:
             draft = {**draft, "dspark_draft_topk": spec["dspark_draft_topk"]}   # vLLM's override
         if method in HIDDEN_METHODS:

@@ -34,7 +34,7 @@ from typing import Any, Callable
 from k3_accel.vllm import patching
 from k3_accel.vllm.compat import MissingSymbol, require, vllm_version
 from k3_accel.config import ConfigError, load_config
-from k3_accel.vllm.spec_decode.methods import HIDDEN_METHODS, remote_enabled
+from k3_accel.vllm.spec_decode.methods import HIDDEN_METHODS, remote_enabled, stays_local
 
 log = logging.getLogger("k3_accel.vllm")
 
@@ -162,7 +162,7 @@ def _wrap_create_spec(create: Callable) -> Callable:
     def create_speculative_config(self, *args: Any, **kwargs: Any) -> Any:
         spec = self.speculative_config
         if isinstance(spec, dict) and spec.get("method") in HIDDEN_METHODS \
-                and spec.get("draft_tensor_parallel_size") is None and _has_address(self):
+                and spec.get("draft_tensor_parallel_size") is None and _has_address(self) and not stays_local(spec):
             self.speculative_config = {**spec, "draft_tensor_parallel_size": 1}
             log.info("k3-accel: remote %s drafting: draft_tensor_parallel_size=1 (the draft runs in the "
                      "draft server, not on the target's GPUs)", spec["method"])

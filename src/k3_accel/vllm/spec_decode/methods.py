@@ -7,8 +7,11 @@ Qwen3 DSpark architecture is served (vLLM drafts the others with other code).
 """
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Mapping
 
 from k3_accel.config import from_vllm
 
@@ -35,6 +38,36 @@ def unserved_reason(spec: Any) -> str | None:
         if unserved or not archs:
             return f"draft architecture {(unserved or ['(none)'])[0]} is not Qwen3 DSpark"
     return None
+
+
+def draft_architectures(method: str, cfg: Mapping[str, Any]) -> list[str]:
+    """A draft config.json's architectures as vLLM 0.33 names them: a ``dflash`` draft's ``A`` is
+    ``DFlash{A}`` unless ``A`` starts or ends with DFlash or is LiLiCorr's (EAGLEConfig); a Qwen3
+    ``DSparkDraftModel`` is ``Qwen3DSparkModel``."""
+    archs = list(cfg.get("architectures") or [])
+    if method == "dflash":
+        return [a if a.startswith("DFlash") or a.endswith("DFlash") or a == "LiLiCorrDraftModel"
+                else f"DFlash{a}" for a in archs]
+    if method == "dspark" and "DSparkDraftModel" in archs and cfg.get("model_type") == "qwen3":
+        return ["Qwen3DSparkModel"]
+    return archs
+
+
+def stays_local(spec: Mapping[str, Any]) -> bool:
+    """Whether a ``--speculative-config`` dict (before vLLM reads it) surely keeps vLLM's own drafting
+    for a hidden-state method: a ``dspark`` one without ``model`` (DeepSeek's, in the target
+    checkpoint), or a draft whose config.json names an architecture the server does not draft. A
+    config.json that cannot be read here says nothing."""
+    method = spec.get("method")
+    if method == "dspark" and not spec.get("model"):
+        return True
+    try:
+        cfg = json.loads((Path(spec["model"]) / "config.json").read_text())
+    except (KeyError, TypeError, OSError, ValueError):
+        return False
+    archs = draft_architectures(method, cfg) if isinstance(cfg, Mapping) else []
+    return bool(archs) and unserved_reason(SimpleNamespace(
+        method=method, draft_model_config=SimpleNamespace(architectures=archs))) is not None
 
 
 def draft_signature(spec: Any) -> dict[str, Any]:
