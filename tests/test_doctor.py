@@ -206,6 +206,28 @@ def test_a_draft_tp_vllm_refuses_is_a_failure(tmp_path, checkpoints):
     assert "6 attention heads, not divisible by draft_tensor_parallel_size 4" in run.stdout
 
 
+@pytest.mark.parametrize("vllm_here", [True, False])
+def test_doctor_resolves_aux_layers_as_vllm_with_or_without_vllm(monkeypatch, tmp_path, checkpoints, vllm_here):
+    """A draft host needs no vLLM, and the doctor then reads the aux layers in vLLM's order itself:
+    eagle_aux_hidden_state_layer_ids (capture indices: id + 1) before dflash_config.target_layer_ids,
+    and a DSpark draft's dspark_target_layer_ids."""
+    import sys
+    from k3_accel.doctor import target_needs
+    if not vllm_here:
+        monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils", None)
+    target, draft = checkpoints
+    cfg = json.loads((draft / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eagle_aux_hidden_state_layer_ids": [4, 2]}))
+    spec = {"method": "dflash", "model": str(tmp_path), "num_speculative_tokens": 4}
+    assert target_needs(str(target), spec, 8)[0].aux_layer_ids == (1, 3)
+    dflash = {key: value for key, value in cfg["dflash_config"].items() if key != "target_layer_ids"}
+    dspark = {**cfg, "architectures": ["Qwen3DSparkModel"], "dflash_config": dflash,
+              "dspark_target_layer_ids": [2, 0]}
+    (tmp_path / "config.json").write_text(json.dumps(dspark))
+    spec = {"method": "dspark", "model": str(tmp_path), "num_speculative_tokens": 4}
+    assert target_needs(str(target), spec, 8)[0].aux_layer_ids == (0, 2)
+
+
 @pytest.fixture(scope="module")
 def dflash_out_of_order(tmp_path_factory, checkpoints):
     """A real DFlash server whose draft config lists its target layers out of order ([2, 0])."""

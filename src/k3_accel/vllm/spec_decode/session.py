@@ -52,9 +52,10 @@ def aux_layer_ids(spec: Any) -> tuple[int, ...]:
 
     vLLM decides (``get_eagle3_aux_layers_from_config``: capture indices, i.e. the
     layer id + 1, then ``sorted(set(...))`` when the model installs them); this
-    turns its answer back into layer ids. A vLLM without that function: the
-    draft config's ``dflash_config.target_layer_ids`` (or top-level
-    ``target_layer_ids``), sorted and deduplicated the same way.
+    turns its answer back into layer ids. A vLLM without that function (a draft
+    host's doctor): the draft config's keys in vLLM's order
+    (:func:`~k3_accel.server.engines.dflash.dspark_config.layer_ids`), sorted and
+    deduplicated the same way.
     """
     if spec.method not in HIDDEN_METHODS:
         return ()
@@ -66,9 +67,9 @@ def aux_layer_ids(spec: Any) -> tuple[int, ...]:
         captured = get_eagle3_aux_layers_from_config(spec)
         ids = [int(i) - 1 for i in captured or ()]
     else:
+        from k3_accel.server.engines.dflash.dspark_config import layer_ids
         hf = spec.draft_model_config.hf_config
-        dflash = getattr(hf, "dflash_config", None) or {}
-        ids = [int(i) for i in (dflash.get("target_layer_ids") or getattr(hf, "target_layer_ids", None) or ())]
+        ids = [int(i) for i in layer_ids(hf.to_dict() if hasattr(hf, "to_dict") else vars(hf)) or ()]
     if not ids or min(ids) < 0:
         raise ValueError(f"draft config of {spec.model} names no usable target layer ids "
                          f"(dflash_config.target_layer_ids)")
