@@ -257,3 +257,22 @@ def test_doctor_against_a_dflash_server_whose_draft_lists_its_layers_out_of_orde
     run = doctor(srv.address, target, {"method": "dflash", "model": str(other), "num_speculative_tokens": 4})
     assert run.returncode == 1, run.stdout + run.stderr
     assert "aux layer ids: server [0, 2], target captures [0, 1]" in run.stdout
+
+
+@pytest.mark.parametrize("argv", [
+    ["probe", "tcp://127.0.0.1:9", "--timeout-ms", "-1"],
+    ["probe", "tcp://127.0.0.1:9", "--timeout-ms", "0"],
+    ["doctor", "tcp://127.0.0.1:9", "--model", "m", "--speculative-config", "{}", "--timeout-ms", "-5"],
+    ["doctor", "tcp://127.0.0.1:9", "--model", "m", "--speculative-config", "{}", "--max-num-seqs", "0"],
+    ["doctor", "tcp://127.0.0.1:9", "--model", "m", "--speculative-config", "{}", "-tp", "0"],
+    ["doctor", "tcp://127.0.0.1:9", "--model", "m", "--speculative-config", "{}", "--max-num-batched-tokens", "-1"],
+])
+def test_numbers_out_of_range_are_usage_errors_naming_the_flag(argv, capsys):
+    """A timeout, a batch or TP size below 1 is a usage error (exit 2) naming the flag: a negative
+    probe timeout was a ZMQ poll(-1) that never returned, a zero TP a division later on."""
+    from k3_accel.cli import build_parser
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(argv)
+    assert stop.value.code == 2
+    flag = next(a for a in argv if a.startswith("-") and not a.lstrip("-").isdigit() and a != argv[-1])
+    assert flag in capsys.readouterr().err

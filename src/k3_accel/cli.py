@@ -7,6 +7,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from k3_accel.server.cli import int_in       # one rule for a numeric flag's range
     ap = argparse.ArgumentParser(prog="k3-accel", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the same prompts through vLLM with remote drafting and without",
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the raw result as JSON")
     probe = sub.add_parser("probe", help="hello + stats to a running draft server; prints JSON")
     probe.add_argument("address", help="tcp://HOST:PORT or ipc://PATH")
-    probe.add_argument("--timeout-ms", type=int, default=5000)
+    probe.add_argument("--timeout-ms", type=int_in(1), default=5000)
     from k3_accel.doctor import add_parser
     add_parser(sub)
     return ap

@@ -331,6 +331,7 @@ def _check_curve(server_key: str | None, client_key: str | None) -> None:
 
 
 def add_parser(sub) -> None:
+    from k3_accel.server.cli import int_in
     doc = sub.add_parser("doctor", help="check that a draft server fits a target, as vLLM would",
                          description=__doc__.splitlines()[0])
     doc.add_argument("address", help="the draft server: tcp://HOST:PORT or ipc://PATH")
@@ -338,9 +339,9 @@ def add_parser(sub) -> None:
     doc.add_argument("--speculative-config", required=True, metavar="JSON",
                      help='as for vLLM, e.g. \'{"method": "dflash", "model": "/models/draft", '
                           '"num_speculative_tokens": 7}\'')
-    doc.add_argument("--max-num-seqs", type=int, default=1024, help="as for vLLM (default: 1024)")
-    doc.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="as for vLLM (default: 1)")
-    doc.add_argument("--max-num-batched-tokens", type=int, default=8192, help="as for vLLM (default: 8192)")
+    doc.add_argument("--max-num-seqs", type=int_in(1), default=1024, help="as for vLLM (default: 1024)")
+    doc.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1, help="as for vLLM (default: 1)")
+    doc.add_argument("--max-num-batched-tokens", type=int_in(1), default=8192, help="as for vLLM (default: 8192)")
     doc.add_argument("--curve-server-key", metavar="FILE", help="server public key (zmq.auth format)")
     doc.add_argument("--curve-client-key", metavar="FILE", help="this client's certificate with its secret key")
-    doc.add_argument("--timeout-ms", type=int, default=10000)
+    doc.add_argument("--timeout-ms", type=int_in(1), default=10000)

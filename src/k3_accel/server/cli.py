@@ -38,7 +38,7 @@ def _device(text: str) -> str:
     return text
 
 
-def _int_in(low: int, high: int | None = None):
+def int_in(low: int, high: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -95,27 +95,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-model", metavar="DIR",
                     help="target checkpoint; only embed_tokens and lm_head are read (dflash, dspark)")
     ap.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
-    ap.add_argument("--threads", type=_int_in(0), default=0,
+    ap.add_argument("--threads", type=int_in(0), default=0,
                     help="torch intra-op threads of the server (0: torch's default, one per core); give a "
                          "server that shares its CPUs with a vLLM target 1, or their two OpenMP teams spin "
                          "against each other (a 2 ms ingest took 30 ms on a 2-core box)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="draft compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind; non-loopback needs CURVE keys")
-    ap.add_argument("--port", type=_int_in(0, 65535), default=5557, help="ZMQ port (0 = any free port)")
+    ap.add_argument("--port", type=int_in(0, 65535), default=5557, help="ZMQ port (0 = any free port)")
     ap.add_argument("--ipc-path", metavar="PATH", default=None,
                     help="also listen on the unix socket ipc://PATH (clients on this host; CURVE applies too)")
-    ap.add_argument("--http-port", type=_int_in(0, 65535), default=8095,
+    ap.add_argument("--http-port", type=int_in(0, 65535), default=8095,
                     help="port of /healthz, /readyz and /metrics (0 = any free port)")
-    ap.add_argument("--max-requests", type=_int_in(1), default=1024,
+    ap.add_argument("--max-requests", type=int_in(1), default=1024,
                     help="active requests per client session (a quota: one target cannot starve the others; "
                          "at most --max-requests-total)")
-    ap.add_argument("--max-requests-total", type=_int_in(1), default=4096,
+    ap.add_argument("--max-requests-total", type=int_in(1), default=4096,
                     help="active requests over all client sessions")
     ap.add_argument("--lease-s", type=_float_min(0.0), default=20.0,
                     help="free a client session after this many seconds without a message (0 = never); "
                          "clients send a heartbeat every 2 s while idle")
-    ap.add_argument("--max-retained-requests", type=_int_in(0), default=1024,
+    ap.add_argument("--max-retained-requests", type=int_in(0), default=1024,
                     help="finished requests whose contexts are kept for prefix-cache hits and resumed "
                          "requests to reconnect to (LRU); the pool also gives them back, least recent "
                          "first, whenever it needs the room, so this bounds only the table")
@@ -124,19 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "or hello label (vLLM: vllm-dpN) is NAME; repeatable. The pool, --max-requests-total "
                          "and --max-retained-requests are divided among the sessions holding contexts in "
                          "proportion to their weights")
-    ap.add_argument("--num-speculative-tokens", type=_int_in(1, 64), default=16,
+    ap.add_argument("--num-speculative-tokens", type=int_in(1, 64), default=16,
                     help="largest K a client may ask for")
-    ap.add_argument("--block-size", type=_int_in(1), default=16, help="reconnect granularity in tokens")
-    ap.add_argument("--memory-budget-mb", type=_int_in(1), default=None,
+    ap.add_argument("--block-size", type=int_in(1), default=16, help="reconnect granularity in tokens")
+    ap.add_argument("--memory-budget-mb", type=int_in(1), default=None,
                     help="size of the context pool (draft K/V; ngram: token index) in MiB (default: "
                          "--gpu-memory-fraction on CUDA, 256 on CPU for dflash, 1024 for ngram)")
     ap.add_argument("--gpu-memory-fraction", type=_float_in(0.0, 1.0), default=0.8,
                     help="on CUDA without --memory-budget-mb: this fraction of the free GPU memory "
                          "(after loading weights) becomes the context pool")
-    ap.add_argument("--max-message-mb", type=_int_in(1), default=DEFAULT_MAX_MESSAGE_BYTES // MIB,
+    ap.add_argument("--max-message-mb", type=int_in(1), default=DEFAULT_MAX_MESSAGE_BYTES // MIB,
                     help="largest message accepted (also ZMQ MAXMSGSIZE)")
-    ap.add_argument("--ngram-min", type=_int_in(1), default=1, help="shortest n-gram to match (ngram)")
-    ap.add_argument("--ngram-max", type=_int_in(1), default=3, help="longest n-gram to match (ngram)")
+    ap.add_argument("--ngram-min", type=int_in(1), default=1, help="shortest n-gram to match (ngram)")
+    ap.add_argument("--ngram-max", type=int_in(1), default=3, help="longest n-gram to match (ngram)")
     ap.add_argument("--curve-secret-key", metavar="FILE", help="server certificate with its secret key (zmq.auth format)")
     ap.add_argument("--curve-authorized-keys", metavar="DIR", help="directory of authorized client public keys")
     ap.add_argument("--allow-insecure-remote", action="store_true",
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device-plane", choices=["auto", "off", "always"], default="auto",
                     help="hidden rows GPU to GPU from targets on this host (CUDA IPC): auto = offered when the "
                          "engine runs on CUDA; always = offered even when it does not (tests of the refusal)")
-    ap.add_argument("--ingest-coalesce-rows", type=_int_in(0), default=1024, metavar="ROWS",
+    ap.add_argument("--ingest-coalesce-rows", type=int_in(0), default=1024, metavar="ROWS",
                     help="dflash/dspark: small ingests of host rows (steps that draft nothing) wait for one "
                          "projection at the next propose, up to ROWS rows (0: every ingest projects at once)")
     ap.add_argument("--batch-wait-ms", type=_float_min(0.0), default=1.0,
