@@ -120,3 +120,39 @@ def test_tp2_every_rank_reaches_the_broadcast_when_rank0_cannot_launch(vllm_conf
     assert failed != [expected_v2(A, 7)] and r0[1] == 2 and r1[1] == 0
     assert after == [expected_v2(B, 4)]                     # the next step drafts
     assert (r0[2], r1[2]) == (1, 0)
+
+
+def _rank_driver_cannot_start(rank: int, world: int, config_bytes: bytes) -> tuple:
+    import torch
+    import vllm.v1.worker.gpu.spec_decode as spec_decode
+
+    import k3_accel.transport.client as client
+    from helpers.v2_sim import Sched, Sim, vllm_world
+    from k3_accel.vllm.spec_decode import hooks
+
+    config = pickle.loads(config_bytes)
+    hooks.install_v2()
+    if rank == 0:                            # only the driver builds a client: only it fails to start
+
+        class NoClient:
+            def __init__(self, *args, **kwargs):
+                raise RuntimeError("planted: the draft client could not be built")
+        client.DraftClient = NoClient
+    with vllm_world(config, tp=world, rank=rank):
+        sim = Sim()
+        spec = spec_decode.init_speculator(config, torch.device("cpu"), sim.req_states)
+        sim.add("a", A)
+        out = sim.propose(spec, [Sched("a", 0, A, sampled=7)]).tolist()
+        disabled = spec.disabled is not None
+        spec.close()
+    return out, disabled
+
+
+def test_tp2_a_driver_that_cannot_start_turns_drafting_off_on_every_rank(vllm_config, ngram_server):
+    """Remote drafting is on on every TP rank or on none: a driver whose construction failed (drafting
+    off there, one error line) never broadcasts, so a rank that still drafted would wait in the drafts'
+    broadcast for good."""
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_DISABLE_PYNCCL": "1",
+           "VLLM_K3_DRAFT_REMOTE_ADDRESS": ngram_server.address, "VLLM_K3_DRAFT_ADAPTIVE": "off"}
+    r0, r1 = run_ranks(_rank_driver_cannot_start, 2, pickle.dumps(vllm_config), env=env, timeout=120)
+    assert r0 == r1 == ([[7] * K], True)          # no drafts (the filler), drafting off on both ranks

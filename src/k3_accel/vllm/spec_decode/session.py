@@ -168,6 +168,22 @@ def broadcaster(group: Any, device: torch.device):
     return lambda t: dist.broadcast(t, src=src, group=group.cpu_group)
 
 
+def every_rank(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank of the TP group (a MIN all-reduce over its CPU group, once, at
+    construction): remote drafting is on on every rank or on none, or a rank with it off would never
+    reach the drafts' broadcast the others wait in. ``ok`` where there is no TP group to ask."""
+    try:
+        group = _tp_group()
+    except Exception:  # noqa: BLE001 - no distributed state: this rank alone
+        return ok
+    if group.world_size == 1:
+        return ok
+    import torch.distributed as dist
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return bool(flag.item())
+
+
 # how much longer than the propose timeout the GPU may wait for a step's drafts (the device-to-host
 # copy, the thread's wake-up, building and staging the message): see pipeline.py
 DEADLINE_MARGIN_S = 0.05

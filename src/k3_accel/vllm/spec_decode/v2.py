@@ -159,6 +159,11 @@ class RemoteSpeculatorMixin:
             log.error("k3-accel: remote drafting is OFF for this engine (%s); the target runs without drafts",
                       self.disabled)
             self.core.close()
+        from k3_accel.vllm.spec_decode.session import every_rank
+        if not every_rank(self.disabled is None) and self.disabled is None:
+            self.disabled = "another TP rank could not start it"      # it would wait in the broadcast for good
+            log.error("k3-accel: remote drafting is OFF for this engine (%s)", self.disabled)
+            self.core.close()
         self._finalizer = weakref.finalize(self, self.core.close)
         # draft_sample_method "probabilistic": the runner's per-request temperatures and seeds go
         # with each propose and a server that offers sampling (DSpark) draws as vLLM does in-tree
