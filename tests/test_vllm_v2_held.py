@@ -242,3 +242,27 @@ def test_a_held_step_never_reads_device_data_on_the_host(vllm_config, tp_group, 
         assert server_stats(spec)["errors"] == {}
     finally:
         spec.close()
+
+
+def test_a_request_preempted_and_resumed_while_its_rows_are_held_drafts_from_its_new_rows(speculator):
+    """vLLM's V2 runner drops a preempted request (it is freed on the server at the next step) and adds
+    it again, same id, when it resumes. Rows held from before its preemption belong to the context the
+    free ended: they are never shipped after the free, and the resumed request drafts from its new rows."""
+    spec, sim = speculator
+    a, b = [1, 2, 3, 1, 2, 3, 1], [9, 8, 7, 9, 8, 7, 9, 8]
+    sim.add("a", a, max_tokens=64)
+    sim.add("b", b, max_tokens=64)
+    sim.propose(spec, [Sched("a", 0, a, sampled=2), Sched("b", 0, b, sampled=7)], k=0)
+    spec.flush()                                       # the prompts are on the server
+    sim.propose(spec, [Sched("a", 7, [2], sampled=3), Sched("b", 8, [7], sampled=9)], k=0)     # held
+    sim.remove("b")                                    # preempted: vLLM drops it (freed at this step)
+    sim.propose(spec, [Sched("a", 8, [3], sampled=1)], k=0)
+    hb = b + [7, 9]
+    sim.add("b", hb, max_tokens=64)                    # resumed: recomputed from its first token
+    sim.propose(spec, [Sched("a", 9, [1], sampled=2), Sched("b", 0, hb[:9], next_prompt=hb[9])], k=0)
+    assert spec.stats()["adapter"]["held_at_launch"] == 4
+    _on(spec)
+    d = sim.propose(spec, [Sched("a", 10, [2], sampled=3), Sched("b", 9, hb[9:], sampled=8)])
+    assert d.tolist() == [expected_v2(a + [2, 3, 1, 2], 3), expected_v2(hb, 8)]
+    assert server_stats(spec)["errors"] == {}
+    _no_failures(spec)

@@ -95,6 +95,7 @@ class RemoteDrafter:
         self.failures = FailureLog(self.counters)
         self.known = KnownRequests()
         self.session: Any = None
+        self.on_free: Callable[[list[str]], None] | None = None   # drops the adapter's own rows of freed requests
 
     def open(self, vllm_config: Any, device: torch.device | str, device_rows: bool = False,
              ring: bool = False) -> None:
@@ -169,6 +170,8 @@ class RemoteDrafter:
     def free_departed(self, live: Container[str]) -> None:
         """Free the known requests vLLM dropped (finished or preempted) since the last step."""
         gone = self.known.departed(live) if len(self.known) else []
+        if gone and self.on_free is not None:
+            self.on_free(gone)
         if gone and self.session is not None:
             try:
                 self.session.finish(gone)

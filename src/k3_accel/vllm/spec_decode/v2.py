@@ -154,6 +154,7 @@ class RemoteSpeculatorMixin:
                 if session.pipeline.controller is not None:      # off steps are held from the launch on
                     self.hold = HeldSteps.sized(f.max_rows, f.context_width, f.hidden_dtype, self.max_num_reqs,
                                                 pin=self.device.type == "cuda")
+                    self.core.on_free = self.hold.drop
         except Exception as exc:  # noqa: BLE001 - a hook must never take vLLM down
             self.disabled = f"{type(exc).__name__}: {exc}"
             log.error("k3-accel: remote drafting is OFF for this engine (%s); the target runs without drafts",

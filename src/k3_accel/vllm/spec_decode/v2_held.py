@@ -164,6 +164,17 @@ class HeldSteps:
         reg.steps.append(_Step(list(input_batch.req_ids[:r]), np.asarray(keep, dtype=np.int64), at, hidden))
         reg.rows += n
 
+    def drop(self, req_ids: Sequence[str]) -> None:
+        """vLLM dropped ``req_ids`` (their free goes out now): their rows held so far are never shipped,
+        not even for a request of the same id added again (a preempted request that resumes). A region
+        handed over already ships before the free."""
+        reg, gone = self._regions[self._cur], set(req_ids)
+        with self._lock:
+            if reg.busy:
+                return
+        for s in reg.steps:
+            s.keep = np.asarray([i for i in s.keep.tolist() if s.req_ids[i] not in gone], dtype=np.int64)
+
     def take(self, live: Any) -> "HeldLaunch | None":
         """The region being filled, for the draft thread (None when it holds nothing); the next
         held step goes to the other one. ``live``: the requests whose rows may still be shipped
