@@ -142,3 +142,53 @@ def test_a_drafting_step_returns_before_the_reply_and_the_drafts_follow(client_f
         pipe.close(10)
         relay.close()
         server.stop()
+
+
+def test_a_step_scheduled_fewer_drafts_than_k_gets_the_reply_that_comes_after_it():
+    """vLLM's scheduler may ask a step for fewer drafts than K (``num_speculative_tokens_per_batch_size``).
+    The first columns of the reply must reach the GPU as the draft thread writes them, after the
+    step returned: a column slice of the pinned reply is not dense, and torch copies such a source
+    from the host at once (before the reply is there), not when the stream reaches the copy."""
+    from k3_accel.transport.api import StepOutput
+    from k3_accel.vllm.spec_decode.core import RemoteDrafter
+    from k3_accel.vllm.spec_decode.fence import StreamFence
+    from k3_accel.vllm.spec_decode.pipeline import DraftPipeline
+    from k3_accel.vllm.spec_decode.v2 import RemoteSpeculatorMixin
+    from k3_accel.vllm.spec_decode.v2_launch import DeviceRows, LaunchSlots
+
+    device, max_reqs, k = torch.device("cuda"), 4, 2
+    go = threading.Event()
+
+    def step(inp, while_waiting=None):           # the server's reply, once the test lets it come
+        assert go.wait(30)
+        return StepOutput(torch.arange(inp.num_requests * inp.k, dtype=torch.int64).reshape(-1, inp.k) + 100)
+
+    client = types.SimpleNamespace(start=lambda s: None, close=lambda: None, step=step)
+    pipe = DraftPipeline(client, StreamFence(device), max_reqs, K, lambda kind, what: None)
+    session = types.SimpleNamespace(
+        is_driver=True, ships_hidden=False, pipeline=pipe, client=client, wants_history=frozenset,
+        settings=types.SimpleNamespace(timeout_s=30.0, propose_timeout_s=5.0), link_down=lambda ids: False,
+        plane_ring=lambda: None, broadcast=lambda t: None, finish=lambda ids: None)
+    spec = RemoteSpeculatorMixin.__new__(RemoteSpeculatorMixin)
+    spec.device, spec.req_states, spec.num_speculative_steps, spec.vocab_size = device, None, K, 1000
+    spec.sample_drafts, spec._server_confidence, spec.hold, spec._sampling = False, None, None, None
+    spec.drafts = torch.full((max_reqs, K), -1, dtype=torch.int64, device=device)
+    spec._confidence = torch.zeros((max_reqs, K), dtype=torch.float32, device=device)
+    spec.core = RemoteDrafter(device)
+    spec.core.session = session
+    spec.rows = DeviceRows(64, 0, torch.bfloat16, max_reqs, device)
+    spec.slots = LaunchSlots(2, 64, 0, torch.bfloat16, max_reqs, pin=True)
+    try:
+        prompts = {"a": [1, 2, 3, 1, 2, 3, 1], "b": [5, 6, 7, 5, 6]}
+        last = torch.tensor([2, 7, 0, 0], dtype=torch.int64, device=device).reshape(max_reqs, 1)
+        nxt = torch.zeros(1, max_reqs, dtype=torch.int32, device=device)
+        ones, zeros = (torch.full((2,), v, dtype=torch.int32, device=device) for v in (1, 0))
+        out = spec.propose(_batch(device, prompts), None, None, None, None, ones, zeros, last, nxt, None, None,
+                           num_speculative_tokens=k)
+        time.sleep(0.2)
+        go.set()                                 # the reply comes after the step returned
+        torch.cuda.synchronize()
+        assert out.tolist() == [[100, 101, -1, -1], [104, 105, -1, -1]]
+    finally:
+        go.set()
+        pipe.close(10)

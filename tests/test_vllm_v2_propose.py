@@ -101,10 +101,12 @@ def test_k_zero_still_ships_context(speculator, sim):
 
 
 def test_fewer_drafts_than_configured(speculator, sim):
-    q = [1, 2, 3, 1, 2, 3, 1]
+    """Two requests (the reply's first k columns are then not one dense block), k = 2 of 4."""
+    q, w = [1, 2, 3, 1, 2, 3, 1], [4, 5, 6, 4, 5]
     sim.add("q", q)
-    d = sim.propose(speculator, [Sched("q", 0, q, sampled=2)], k=2)    # dynamic K from the scheduler
-    assert rows(d) == [expected_v2(q, 2, k=2) + [-1] * (K - 2)]
+    sim.add("w", w)
+    d = sim.propose(speculator, [Sched("q", 0, q, sampled=2), Sched("w", 0, w, sampled=6)], k=2)   # dynamic K
+    assert rows(d) == [expected_v2(q, 2, k=2) + [-1] * (K - 2), expected_v2(w, 6, k=2) + [-1] * (K - 2)]
 
 
 def test_a_step_scheduled_fewer_drafts_asks_the_server_for_the_whole_block(speculator, sim, monkeypatch):

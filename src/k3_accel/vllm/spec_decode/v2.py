@@ -42,6 +42,7 @@ import torch
 from k3_accel.vllm.compat import require
 from k3_accel.vllm.spec_decode import confidence
 from k3_accel.vllm.spec_decode.core import RemoteDrafter, finishes_after_prefill
+from k3_accel.vllm.spec_decode.session import every_rank
 from k3_accel.vllm.spec_decode.v2_held import HeldFacts, HeldSteps
 from k3_accel.vllm.spec_decode.v2_launch import DeviceRows, LaunchSlots, launch, samples_host, step_rows
 
@@ -157,13 +158,11 @@ class RemoteSpeculatorMixin:
                     self.core.on_free = self.hold.drop
         except Exception as exc:  # noqa: BLE001 - a hook must never take vLLM down
             self.disabled = f"{type(exc).__name__}: {exc}"
+        if not every_rank(self.disabled is None) and self.disabled is None:   # on every rank or none: one
+            self.disabled = "another TP rank could not start it"       # alone would wait in the broadcast
+        if self.disabled is not None:
             log.error("k3-accel: remote drafting is OFF for this engine (%s); the target runs without drafts",
                       self.disabled)
-            self.core.close()
-        from k3_accel.vllm.spec_decode.session import every_rank
-        if not every_rank(self.disabled is None) and self.disabled is None:
-            self.disabled = "another TP rank could not start it"      # it would wait in the broadcast for good
-            log.error("k3-accel: remote drafting is OFF for this engine (%s)", self.disabled)
             self.core.close()
         self._finalizer = weakref.finalize(self, self.core.close)
         # draft_sample_method "probabilistic": the runner's per-request temperatures and seeds go
@@ -331,18 +330,18 @@ class RemoteSpeculatorMixin:
         # the whole block whatever this step's K, as in-tree (the runner blanks the columns past it)
         seq = self._ship(plan, input_batch, aux, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
                          self.num_speculative_steps if k > 0 else 0, held)
-        conf = None if self._server_confidence is None else self._server_confidence[:cols.shape[0], :cols.shape[1]]
-        if seq is not None:
-            fence, reply = session.pipeline.fence, session.pipeline.reply_rows(seq, cols.shape[0], k)
-            if fence.on_device:
+        r, width, conf = cols.shape[0], self.num_speculative_steps, self._server_confidence
+        if seq is not None:     # whole K-wide rows: torch copies a column slice of the pinned reply (not
+            fence, now = session.pipeline.fence, session.pipeline.fence.on_device   # dense) from the host at once
+            if now:
                 fence.enqueue(seq, torch.cuda.current_stream(self.device))
-                cols.copy_(reply, non_blocking=True)
+            if now or fence.wait(seq, session.settings.timeout_s + session.settings.propose_timeout_s):
+                self.drafts[:r].copy_(session.pipeline.reply_rows(seq, r, width), non_blocking=now)
+                self.drafts[:r, k:].fill_(-1)                # past this step's K: no drafts
                 if conf is not None:
-                    conf.copy_(session.pipeline.confidence_rows(seq, cols.shape[0], k), non_blocking=True)
-            elif fence.wait(seq, session.settings.timeout_s + session.settings.propose_timeout_s):
-                cols.copy_(reply)
-                if conf is not None:
-                    conf.copy_(session.pipeline.confidence_rows(seq, cols.shape[0], k))
+                    conf[:r].copy_(session.pipeline.confidence_rows(seq, r, width), non_blocking=now)
+                    conf[:r, k:].fill_(confidence.NONE)
+        conf = None if conf is None else conf[:r, :k]
         session.broadcast(cols)
         if conf is not None:
             session.broadcast(conf)
