@@ -19,6 +19,7 @@ from mutant_rules_s29 import S29_MUTANTS
 from mutant_rules_s30 import S30_MUTANTS
 from mutant_rules_s30_server import S30_SERVER_MUTANTS
 from mutant_rules_s31 import S31_MUTANTS
+from mutant_rules_s32 import S32_MUTANTS
 from mutant_rules_server import SERVER_MUTANTS
 from mutant_rules_tools import TOOLS_MUTANTS
 from mutant_rules_transport import TRANSPORT_MUTANTS
@@ -138,5 +139,5 @@ FIRST_RULE_MUTANTS = (
 MODULE_MUTANTS = (TRANSPORT_MUTANTS + VLLM_MUTANTS + SERVER_MUTANTS + TOOLS_MUTANTS + WAVE_MUTANTS + S22_MUTANTS
                   + S22A_MUTANTS + S22B_MUTANTS + S23_MUTANTS + S24_MUTANTS + S25_MUTANTS + S26_MUTANTS
                   + S28_MUTANTS + S29_MUTANTS + S30_MUTANTS + S30_SERVER_MUTANTS
-                  + S31_MUTANTS)
+                  + S31_MUTANTS + S32_MUTANTS)
 RULE_MUTANTS = FIRST_RULE_MUTANTS + MODULE_MUTANTS
