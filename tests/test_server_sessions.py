@@ -275,3 +275,56 @@ def test_the_loop_lets_go_of_a_sessions_connections_that_went_silent_for_the_lea
         stop.set()
         thread.join(30)
         ctx.term()
+
+
+def test_a_prepared_propose_whose_session_ended_in_the_same_round_is_not_drafted():
+    """A target whose socket was rebuilt says hello again with its session key on a new connection;
+    a bye on the new one, handled in the same round as the old one's propose (its rows already stored),
+    released the session's states, and the propose still ran on them (their pool blocks perhaps
+    another client's by then). It is answered like any message of an ended session: NO_SESSION."""
+    import zmq
+
+    from helpers.service import LocalService
+    from helpers.wire import _rows
+    from k3_accel.server.gather import Gather
+    from k3_accel.server.loop import ServerLoop
+
+    local = LocalService()
+    ctx = zmq.Context()
+    loop = ServerLoop(local.service, ["tcp://127.0.0.1:0"], 1 << 26, ctx=ctx, gather=Gather(0))
+
+    def arrive(n: int) -> None:          # the loop driven by hand: every message of a round is queued first
+        deadline = time.monotonic() + 60
+        while sum(len(c.queue) for c in loop._conns.values()) < n:
+            assert time.monotonic() < deadline, "the messages never reached the server"
+            if loop.sock.poll(100):
+                loop._receive_all()
+
+    def hello(w: Wire) -> None:
+        w.send(p.Hello(w.session, "wire"))
+        arrive(1)
+        loop._round()
+        assert w.recv().ok
+
+    old = Wire(loop.endpoints[0], hello=False)
+    new = Wire(loop.endpoints[0], session=old.session, hello=False)
+    other = Wire(loop.endpoints[0], hello=False)
+    try:
+        for w in (old, new, other):
+            hello(w)
+        old.send_propose(K, [(0, 0, [1, 2, 3, 1, 2], 3)])
+        new.send(p.Bye())
+        other.send(*_rows(p.Ingest, [(0, 0, [7, 8, 9, 7, 8, 9])], None))
+        arrive(3)
+        for _ in range(3):
+            loop._round()
+        assert new.recv().ok and other.recv().ok
+        reply = old.recv()
+        assert not reply.ok and reply.error[0] == "NO_SESSION"
+        assert local.service.metrics.engine_batches == 0 and not local.store.in_flight
+        local.check_pool()
+    finally:
+        loop.sock.close(linger=0)
+        for w in (old, new, other):
+            w.close()
+        ctx.term()

@@ -185,6 +185,9 @@ class ServerLoop:
                 self.service.metrics.session_message(conn.session.name)
                 self._send(conn, self.service.handle(conn.session, item))
             conn.queue.popleft()
+        for conn in [c for c in proposes if not self.service.store.is_open(c.session)]:
+            self._drop_job(conn)              # a later head ended its session (a bye on another connection):
+            proposes.remove(conn)             # nothing runs on its released states; NO_SESSION next round
         if proposes:
             hold = self.gather.wait_s([c.session.key for c in proposes], pending)
             if hold > 0:                      # targets expected back within the wait: hold the round
