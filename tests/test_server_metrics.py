@@ -93,3 +93,46 @@ def test_per_session_series_are_bounded_and_ended_sessions_give_their_label_back
     finally:
         for w in many:
             w.close()
+
+
+def test_shutting_down_replies_of_a_stopping_server_are_counted_as_errors():
+    """Every error reply counts in ``k3_draft_errors`` by its code; those a stopping server gives what
+    was still queued (``SHUTTING_DOWN``) did not."""
+    import threading
+
+    import zmq
+
+    from helpers.service import LocalService
+    from k3_accel.server.loop import ServerLoop
+
+    local = LocalService()
+    ctx = zmq.Context()
+    loop = ServerLoop(local.service, ["tcp://127.0.0.1:0"], 1 << 26, ctx=ctx)
+
+    def arrive(n: int) -> None:          # the loop driven by hand
+        deadline = time.monotonic() + 60
+        while sum(len(c.queue) for c in loop._conns.values()) < n:
+            assert time.monotonic() < deadline, "the messages never reached the server"
+            if loop.sock.poll(100):
+                loop._receive_all()
+
+    w = Wire(loop.endpoints[0], hello=False)
+    try:
+        w.send(p.Hello(w.session, "wire"))
+        arrive(1)
+        loop._round()
+        assert w.recv().ok
+        w.send(p.Ping())
+        w.send(p.Stats())
+        arrive(2)
+        stop = threading.Event()
+        stop.set()
+        loop.serve(stop)                 # stops at once: the two queued messages are answered SHUTTING_DOWN
+        assert [w.recv().error[0] for _ in range(2)] == ["SHUTTING_DOWN"] * 2
+        metrics = local.service.metrics
+        assert metrics.snapshot()["errors"] == {"SHUTTING_DOWN": 2}
+        metrics.flush()
+        assert metrics.registry.get_sample_value("k3_draft_errors_total", {"code": "SHUTTING_DOWN"}) == 2
+    finally:
+        w.close()
+        ctx.term()

@@ -292,6 +292,7 @@ class ServerLoop:
                     self._drop_job(conn)
                 while conn.queue:
                     item = conn.queue.popleft()
+                    self.service.metrics.error(ErrorCode.SHUTTING_DOWN.value)
                     self._send(conn, p.error_reply(item.seq, self.service.server_id, ErrorCode.SHUTTING_DOWN,
                                                    "server is stopping"))
             if time.monotonic() > give_up or not self.sock.poll(DRAIN_QUIET_MS, zmq.POLLIN):
