@@ -136,3 +136,17 @@ def test_shutting_down_replies_of_a_stopping_server_are_counted_as_errors():
     finally:
         w.close()
         ctx.term()
+
+
+def test_hello_latency_is_its_handling_time(server):
+    """``k3_draft_latency_seconds`` is the handling time by op; every hello was recorded as 0 s."""
+    w = Wire(server.address)
+    try:
+        w.call(p.Ping()).raise_for_error()
+        found = samples(server)
+        hellos = found[("k3_draft_latency_seconds_count", (("op", "hello"),))]
+        assert hellos >= 1 and hellos == found[("k3_draft_messages_total", (("op", "hello"),))]
+        assert found[("k3_draft_latency_seconds_sum", (("op", "hello"),))] > 0
+    finally:
+        w.call(p.Bye())
+        w.close()

@@ -83,32 +83,35 @@ class DraftService:
     # ------------------------------------------------------------------ entry
     def hello(self, req: p.Request, owner: str | None) -> tuple[Session | None, Reply]:
         """Open (or reclaim) the session the hello names; the reply carries the caps."""
+        started = time.perf_counter()
         low, high = p.SESSION_KEY_CHARS
         if not low <= len(req.msg.session) <= high:
             return None, self._done(req, p.error_reply(req.seq, self.server_id, ErrorCode.BAD_FIELD,
-                                                       f"hello.session: a secret of {low}..{high} characters"))
+                                                       f"hello.session: a secret of {low}..{high} characters"),
+                                    started)
         if len(req.msg.client) > CLIENT_LABEL_CHARS or not req.msg.client.isprintable():
             return None, self._done(req, p.error_reply(req.seq, self.server_id, ErrorCode.BAD_FIELD,
                                                        f"hello.client: a label of at most {CLIENT_LABEL_CHARS} "
-                                                       f"printable characters"))
+                                                       f"printable characters"), started)
         try:
             session = self.store.open_session(req.msg.session, req.msg.client, owner)
         except RequestError as exc:
-            return None, self._done(req, p.error_reply(req.seq, self.server_id, exc.code, exc.message))
+            return None, self._done(req, p.error_reply(req.seq, self.server_id, exc.code, exc.message), started)
         shares = self.store.shares(session)
         caps = msgspec.structs.replace(self.caps, share_weight=session.weight, share_blocks=shares["share_blocks"],
                                        share_requests=shares["share_requests"])
         reply = Reply(req.seq, True, self.server_id, result=msgspec.to_builtins(caps))
-        return session, self._done(req, reply)
+        return session, self._done(req, reply, started)
 
     def attach(self, session: Session, conn: bytes, req: p.Request) -> Reply:
         """Open the target's device ring for this session and connection (the device plane)."""
+        started = time.perf_counter()
         session.last_seen = time.monotonic()
         try:
             reply = self._ok(req, result=self.plane.attach(session.key, conn, req.msg))
         except ProtocolError as exc:
             reply = p.error_reply(req.seq, self.server_id, exc.code, exc.message)
-        return self._done(req, reply)
+        return self._done(req, reply, started)
 
     def handle(self, session: Session, req: p.Request) -> Reply:
         """Run one non-propose request; every failure becomes a typed error reply."""
