@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.server import ServerProcess
-from helpers.wire import Wire
+from helpers.wire import Wire, ints
 from k3_accel import protocol as p
 from k3_accel.server.metrics import MAX_SESSION_LABELS
 
@@ -147,6 +147,25 @@ def test_hello_latency_is_its_handling_time(server):
         hellos = found[("k3_draft_latency_seconds_count", (("op", "hello"),))]
         assert hellos >= 1 and hellos == found[("k3_draft_messages_total", (("op", "hello"),))]
         assert found[("k3_draft_latency_seconds_sum", (("op", "hello"),))] > 0
+    finally:
+        w.call(p.Bye())
+        w.close()
+
+
+def test_rows_a_reconnect_rebuilds_count_as_context_rows_stored(server):
+    """``k3_draft_ingested_rows`` counts the context rows stored; a reconnect stores (rebuilds from its
+    tokens) the rows past the prefix it shares with a stored context, and they were not counted."""
+    w = Wire(server.address)
+    try:
+        stored = list(range(1, 21))
+        w.ingest([(0, 0, stored)]).raise_for_error()
+        before = w.call(p.Stats()).raise_for_error().result["ingested_rows"]
+        scraped = samples(server)[("k3_draft_ingested_rows_total", ())]
+        assert scraped == before
+        reply = w.call(p.Reconnect(1, 21), ints(stored[:18] + [9, 9, 9])).raise_for_error()
+        assert reply.result == {"restored": 18}                   # 18 forked, 3 rebuilt
+        assert w.call(p.Stats()).raise_for_error().result["ingested_rows"] == before + 3
+        assert samples(server)[("k3_draft_ingested_rows_total", ())] == before + 3
     finally:
         w.call(p.Bye())
         w.close()

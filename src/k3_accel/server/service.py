@@ -287,10 +287,12 @@ class DraftService:
         return self._ok(req)
 
     def _reconnect(self, session: Session, req: p.Request) -> Reply:
+        started = time.perf_counter()
         try:
             restored = reconnect(self.store, session, req.msg.handle, req.tokens)
         except EngineError as exc:
             raise ProtocolError(_FAULT_CODES[exc.fault], str(exc)) from None
+        self.metrics.rows(len(req.tokens) - restored, time.perf_counter() - started)   # rebuilt from its tokens
         return self._ok(req, result={"restored": restored})
 
     def _stats(self, session: Session, req: p.Request) -> Reply:
