@@ -353,3 +353,73 @@ def test_closing_a_pipeline_the_watchdog_stopped_still_closes_its_client():
     assert Client.closed == 1
     pipe._thread.join(10)
     assert not pipe._thread.is_alive()                 # the draft thread was told to stop too
+
+
+class BadConfidenceClient(GatedClient):
+    """Drafts of the right shape, then a per-draft confidence of the wrong one (a server's bug): the
+    reply cannot be written whole."""
+    def step(self, inp, while_waiting=None):
+        out = super().step(inp, while_waiting)
+        out.extra = {"confidence": torch.ones(len(inp.keep) + 1, inp.k)}
+        return out
+
+
+def test_a_reply_that_cannot_be_written_fails_the_step_closed_and_is_counted():
+    """Writing a step's drafts into the reply is part of the step: when it fails, the step's reply is
+    "no drafts" throughout (never half a reply), the failure is counted like any draft-thread failure,
+    and the pipeline goes on."""
+    failures: list[str] = []
+    client = BadConfidenceClient()
+    client.gate.set()
+    pipe = DraftPipeline(client, HostFence(), 4, 3, lambda kind, what: failures.append(kind), stall_s=3600)
+    try:
+        seq = pipe.submit(ReadyLaunch([0, 2], 3), propose=True)
+        assert pipe.fence.wait(seq, timeout=60)
+        assert pipe.call(lambda c: "done", timeout=60) == "done"
+        assert failures == ["step"]
+        assert (pipe.reply_rows(seq, 4, 3) == -1).all()
+        assert pipe.alive
+    finally:
+        pipe.close(5)
+
+
+class FailingFinishClient(NoClient):
+    def finish(self, req_ids):
+        raise RuntimeError("planted: the free could not be queued")
+
+
+def test_a_free_that_fails_on_the_draft_thread_is_counted_and_the_controller_forgets():
+    """A free runs on the draft thread, not waited for: its failure is counted (``failures.free``) like
+    a free that fails on the step thread, and the controller still forgets the requests."""
+    from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
+    controller = Controller(ControllerSettings(k_max=3))
+    controller.given = {"a": 3, "b": 2}
+    failures: list[str] = []
+    pipe = DraftPipeline(FailingFinishClient(), HostFence(), 4, 3, lambda kind, what: failures.append(kind),
+                         controller=controller, stall_s=3600)
+    try:
+        pipe.finish(["a"])
+        assert pipe.call(lambda c: "done", timeout=60) == "done"
+        assert failures == ["free"]
+        assert controller.given == {"b": 2}
+    finally:
+        pipe.close(5)
+
+
+def test_a_held_step_the_controller_cannot_count_is_counted_as_a_failure():
+    """Counting a held step runs on the draft thread, not waited for: a failure there is counted like
+    the draft thread's other failures, never only logged at debug level."""
+    from k3_accel.vllm.spec_decode.controller import Controller, ControllerSettings
+
+    class Broken(Controller):
+        def step(self, *args, **kwargs):
+            raise RuntimeError("planted: the held step could not be counted")
+    failures: list[str] = []
+    pipe = DraftPipeline(NoClient(), HostFence(), 4, 3, lambda kind, what: failures.append(kind),
+                         controller=Broken(ControllerSettings(k_max=3)), stall_s=3600)
+    try:
+        pipe.count_held(object(), 0.0)
+        assert pipe.call(lambda c: "done", timeout=60) == "done"
+        assert failures == ["step"]
+    finally:
+        pipe.close(5)

@@ -137,6 +137,8 @@ class DraftPipeline(StepWatch):
         def count(client):
             try:
                 controller.step(facts, _nothing, held=True, at=at)
+            except Exception:  # noqa: BLE001 - counted like the thread's other failures
+                self.on_failure("step", "counting a held step")
             finally:
                 if self.gate is not None:
                     self.gate.set(gate_value(controller))
@@ -266,10 +268,14 @@ class DraftPipeline(StepWatch):
         controller = self.controller
 
         def finish(client):
-            self.off_rows.drop(req_ids)
-            client.finish(req_ids)
-            if controller is not None:
-                controller.forget(req_ids)
+            try:
+                self.off_rows.drop(req_ids)
+                client.finish(req_ids)
+            except Exception:  # noqa: BLE001 - counted like a free that fails on the step thread
+                self.on_failure("free", "freeing departed requests")
+            finally:
+                if controller is not None:
+                    controller.forget(req_ids)
         self.call(finish, wait=False)
 
     def flush(self, timeout: float) -> None:
@@ -351,9 +357,16 @@ class DraftPipeline(StepWatch):
                 keep = torch.from_numpy(np.asarray(launch.keep, dtype=np.int64))
                 with self._lock:                   # a step released early keeps its "no drafts"
                     if seq not in self._expired and seq not in self._released:
-                        rows[keep, :inp.k] = out.drafts
-                        if "confidence" in out.extra:
-                            self.confidence[seq % 2][keep, :inp.k] = out.extra["confidence"].float()
+                        try:
+                            rows[keep, :inp.k] = out.drafts
+                            if "confidence" in out.extra:
+                                self.confidence[seq % 2][keep, :inp.k] = out.extra["confidence"].float()
+                        except Exception:  # noqa: BLE001 - fail closed: never half a reply
+                            rows.fill_(-1)
+                            self.confidence[seq % 2].fill_(-1.0)
+                            if self.controller is not None:
+                                self.controller.given = {}
+                            self.on_failure("step", "writing the step's drafts")
                     elif self.controller is not None:   # the GPU went on without them: none is verified
                         self.controller.given = {}
         finally:
