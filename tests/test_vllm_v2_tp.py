@@ -156,3 +156,52 @@ def test_tp2_a_driver_that_cannot_start_turns_drafting_off_on_every_rank(vllm_co
            "VLLM_K3_DRAFT_REMOTE_ADDRESS": ngram_server.address, "VLLM_K3_DRAFT_ADAPTIVE": "off"}
     r0, r1 = run_ranks(_rank_driver_cannot_start, 2, pickle.dumps(vllm_config), env=env, timeout=120)
     assert r0 == r1 == ([[7] * K], True)          # no drafts (the filler), drafting off on both ranks
+
+
+def _rank_fence_fails(rank: int, world: int, config_bytes: bytes) -> tuple:
+    import torch
+    import vllm.v1.worker.gpu.spec_decode as spec_decode
+
+    from helpers.v2_sim import Sched, Sim, vllm_world
+    from k3_accel.vllm.spec_decode import hooks
+    from k3_accel.vllm.spec_decode.fence import FenceUnavailable, HostFence
+
+    class RefusingFence(HostFence):
+        """A device fence whose first enqueue the driver refuses (then the host waits, as on CPU)."""
+        on_device = True
+
+        def enqueue(self, seq, stream):
+            self.on_device = False
+            raise FenceUnavailable("planted: cuStreamWaitValue64 returned CUresult 1")
+
+    config = pickle.loads(config_bytes)
+    hooks.install_v2()
+    a, b = (A, B) if rank == 0 else ([0] * len(A), [0] * len(B))
+    with vllm_world(config, tp=world, rank=rank):
+        sim = Sim()
+        spec = spec_decode.init_speculator(config, torch.device("cpu"), sim.req_states)
+        if rank == 0:
+            torch.cuda.current_stream = lambda device=None: None     # stand-in for the GPU's stream
+            spec.core.session.pipeline.fence = RefusingFence()
+        sim.add("a", a)
+        sim.add("b", b)
+        out = [sim.propose(spec, [Sched("a", 0, a, sampled=7)]).tolist(),
+               sim.propose(spec, [Sched("b", 0, b, sampled=4)]).tolist()]
+        failures = spec.stats()["adapter"].get("failures", 0)
+        spec.close()
+    return out, failures
+
+
+def test_tp2_a_fence_the_gpu_refuses_fails_the_step_closed_on_every_rank(vllm_config, ngram_server):
+    """The compute stream's wait for the drafts cannot be enqueued (``FenceUnavailable``): the step goes
+    on without drafts, the failure counted, and the driver still reaches the drafts' broadcast (raising
+    there was an engine error on rank 0 and rank 1 waiting in the collective); the next step drafts."""
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_DISABLE_PYNCCL": "1",
+           "VLLM_K3_DRAFT_REMOTE_ADDRESS": ngram_server.address, "VLLM_K3_DRAFT_ADAPTIVE": "off",
+           "VLLM_K3_DRAFT_PROPOSE_TIMEOUT_MS": "20000"}   # a CPU server on a busy box: exact drafts, not timing
+    r0, r1 = run_ranks(_rank_fence_fails, 2, pickle.dumps(vllm_config), env=env, timeout=300)
+    assert r0[0] == r1[0]                                   # the same drafts on both ranks, both steps
+    failed, after = r0[0]
+    assert failed == [[7] * K]                              # no drafts: the last sampled token (the filler)
+    assert after == [expected_v2(B, 4)]                     # the next step drafts
+    assert (r0[1], r1[1]) == (1, 0)

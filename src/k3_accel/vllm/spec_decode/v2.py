@@ -333,14 +333,20 @@ class RemoteSpeculatorMixin:
         r, width, conf = cols.shape[0], self.num_speculative_steps, self._server_confidence
         if seq is not None:     # whole K-wide rows: torch copies a column slice of the pinned reply (not
             fence, now = session.pipeline.fence, session.pipeline.fence.on_device   # dense) from the host at once
-            if now:
-                fence.enqueue(seq, torch.cuda.current_stream(self.device))
-            if now or fence.wait(seq, session.settings.timeout_s + session.settings.propose_timeout_s):
-                self.drafts[:r].copy_(session.pipeline.reply_rows(seq, r, width), non_blocking=now)
-                self.drafts[:r, k:].fill_(-1)                # past this step's K: no drafts
+            try:
+                if now:
+                    fence.enqueue(seq, torch.cuda.current_stream(self.device))
+                if now or fence.wait(seq, session.settings.timeout_s + session.settings.propose_timeout_s):
+                    self.drafts[:r].copy_(session.pipeline.reply_rows(seq, r, width), non_blocking=now)
+                    self.drafts[:r, k:].fill_(-1)                # past this step's K: no drafts
+                    if conf is not None:
+                        conf[:r].copy_(session.pipeline.confidence_rows(seq, r, width), non_blocking=now)
+                        conf[:r, k:].fill_(confidence.NONE)
+            except Exception:  # noqa: BLE001 - fail closed: no drafts, and every rank still broadcasts
+                self.drafts[:r].fill_(-1)
                 if conf is not None:
-                    conf[:r].copy_(session.pipeline.confidence_rows(seq, r, width), non_blocking=now)
-                    conf[:r, k:].fill_(confidence.NONE)
+                    conf[:r].fill_(confidence.NONE)
+                self.core.failures.record("step", "waiting for the step's drafts")
         conf = None if conf is None else conf[:r, :k]
         session.broadcast(cols)
         if conf is not None:
