@@ -423,3 +423,20 @@ def test_a_held_step_the_controller_cannot_count_is_counted_as_a_failure():
         assert failures == ["step"]
     finally:
         pipe.close(5)
+
+
+def test_any_draft_thread_job_not_waited_for_that_fails_is_counted():
+    """Link upkeep while the link is down (``session.link_down``) and the client's start run on the
+    draft thread and nobody waits for them: a failure there is counted like the thread's others."""
+    class Client(NoClient):
+        def skip_step(self, req_ids):
+            raise RuntimeError("planted: the link could not be serviced")
+    failures: list[str] = []
+    pipe = DraftPipeline(Client(), HostFence(), 4, 3, lambda kind, what: failures.append(kind), stall_s=3600)
+    try:
+        pipe.call(lambda c: c.skip_step(["a"]), wait=False, after_held=True)
+        assert pipe.call(lambda c: "done", timeout=60) == "done"
+        assert failures == ["step"]
+        assert pipe.alive
+    finally:
+        pipe.close(5)

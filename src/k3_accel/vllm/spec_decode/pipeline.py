@@ -316,10 +316,10 @@ class DraftPipeline(StepWatch):
                     if reply is not None:
                         reply[1].append((True, value))
                 except BaseException as exc:  # noqa: BLE001 - reported to the caller / failure log
-                    if reply is not None:
+                    if reply is not None and reply[0] is not None:
                         reply[1].append((False, exc))
-                    else:
-                        log.debug("k3-accel: draft-thread job failed", exc_info=True)
+                    else:                    # nobody waits for it: counted like the thread's other failures
+                        self.on_failure("step", "a draft-thread job")
                 finally:
                     if reply is not None and reply[0] is not None:
                         reply[0].set()
