@@ -132,3 +132,28 @@ def test_a_drafter_without_a_session_drafts_nothing_and_builds_nothing():
     assert drafter.stats() == {"adapter": {"skipped_requests": 1, "known_requests": 0}}
     drafter.close()
     drafter.close()                                  # idempotent
+
+
+def test_a_free_whose_adapter_rows_cannot_be_dropped_is_counted_and_still_sent():
+    """``free_departed`` runs in the step (V2: the driver only drops its held rows, ``on_free``): a
+    failure there must not raise into vLLM (the driver alone would leave the step while the other TP
+    ranks wait in the drafts' broadcast); it is counted, and the free still reaches the server."""
+    class Session:                                   # the draft session's free (the server's side is not tested here)
+        def __init__(self):
+            self.freed = []
+
+        def finish(self, req_ids):
+            self.freed.append(list(req_ids))
+
+        def close(self):
+            pass
+
+    def on_free(req_ids):
+        raise RuntimeError("planted: the held rows could not be dropped")
+
+    drafter = RemoteDrafter("cpu")
+    drafter.session, drafter.on_free = Session(), on_free
+    drafter.known.new(["a", "b"])
+    drafter.free_departed({"b"})
+    assert drafter.session.freed == [["a"]]
+    assert drafter.counters["failures.free"] == 1 and drafter.known.ids == {"b"}

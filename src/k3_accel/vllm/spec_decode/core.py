@@ -171,7 +171,10 @@ class RemoteDrafter:
         """Free the known requests vLLM dropped (finished or preempted) since the last step."""
         gone = self.known.departed(live) if len(self.known) else []
         if gone and self.on_free is not None:
-            self.on_free(gone)
+            try:
+                self.on_free(gone)
+            except Exception:  # noqa: BLE001 - never raise into the step (the other TP ranks wait)
+                self.failures.record("free", "dropping departed requests' held rows")
         if gone and self.session is not None:
             try:
                 self.session.finish(gone)
