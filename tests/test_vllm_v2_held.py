@@ -266,3 +266,22 @@ def test_a_request_preempted_and_resumed_while_its_rows_are_held_drafts_from_its
     assert d.tolist() == [expected_v2(a + [2, 3, 1, 2], 3), expected_v2(hb, 8)]
     assert server_stats(spec)["errors"] == {}
     _no_failures(spec)
+
+
+def test_held_steps_that_cannot_be_handed_over_fail_closed_and_are_counted(speculator, monkeypatch):
+    """Handing the held rows to the draft thread runs in the driver's step: a failure there must not
+    raise into vLLM (with TP, the other ranks would wait in the drafts' broadcast); it is counted and
+    the step goes on (its requests see a gap: no drafts, never wrong ones)."""
+    spec, sim = speculator
+    a = [4, 5, 6, 4, 5, 6, 4]
+    sim.add("a", a, max_tokens=64)
+    sim.propose(spec, [Sched("a", 0, a, sampled=5)], k=0)                      # held
+    assert spec.stats()["adapter"]["held_at_launch"] == 1
+
+    def take(live):
+        raise RuntimeError("planted: the held region could not be taken")
+    monkeypatch.setattr(spec.hold, "take", take)
+    _on(spec)
+    d = sim.propose(spec, [Sched("a", 7, [5], sampled=6)])
+    assert d.tolist() == [[6] * K]                                             # no drafts: the filler
+    assert spec.stats()["adapter"]["failures.step_input"] == 1

@@ -309,8 +309,8 @@ class RemoteSpeculatorMixin:
         """The held steps' rows go to the draft thread (ahead of anything launched after)."""
         if self.hold is None or not len(self.hold):
             return
-        held = self.hold.take(self.core.known.ids)
         try:
+            held = self.hold.take(self.core.known.ids)
             self.core.session.pipeline.submit_held(held)
             self.core.counters["held_regions"] += 1
         except Exception:  # noqa: BLE001 - fail closed: the requests see a gap and stop drafting
