@@ -347,7 +347,7 @@ class RemoteSpeculatorMixin:
                 if conf is not None:
                     conf[:r].fill_(confidence.NONE)
                 self.core.failures.record("step", "waiting for the step's drafts")
-        conf = None if conf is None else conf[:r, :k]
+        conf = None if conf is None else conf[:r, :cols.shape[1]]    # every rank's K: the driver's k may be 0
         session.broadcast(cols)
         if conf is not None:
             session.broadcast(conf)
